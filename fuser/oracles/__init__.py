@@ -1,0 +1,1 @@
+"""Plain numpy reference implementations (oracles), kept apart from the WebGPU kernels."""

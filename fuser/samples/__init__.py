@@ -1,0 +1,161 @@
+"""Small mixture-of-experts layers as ONNX models, each with the fusion it must give.
+
+Every sample is one MoE layer written in standard ONNX (ONNX text form, parsed with
+``onnx.parser``; weights attached as initializers from a seeded numpy Generator):
+
+* families: Mixtral-like, Qwen3-MoE-like, Qwen2-MoE-like (with a shared expert), gpt-oss-like and
+  a GELU MLP, plus near misses that must not fuse;
+* expert spellings: ``GroupedMatMul`` (ONNX opset 29) and its Gather/Expand/MatMul decomposition
+  (opset 21, runs in ONNX Runtime today);
+* weights: float (-> ``com.microsoft.MoE``) or quantized behind ``DequantizeLinear`` (int4 blocked
+  32 / 128 along K, uint8 per output channel with zero point 128; -> ``com.microsoft.QMoE``).
+
+Use :func:`all_samples`, :func:`get_sample` or :func:`default_sample`; ``docs/samples.md`` lists
+them all. A GroupedMatMul sample and its decomposed twin (``Sample.twin``) hold the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from ._layers import build_layer
+from .catalog import CATALOG, DEFAULT_SAMPLE, Entry
+
+__all__ = [
+    "Sample",
+    "all_samples",
+    "get_sample",
+    "default_sample",
+    "sample_names",
+    "DEFAULT_SAMPLE",
+]
+
+AttrValue = int | float | str
+
+_WEIGHTS_LABEL = {
+    "f32": "float",
+    "int4b32": "int4-block32",
+    "int4b128": "int4-block128",
+    "u8pc": "uint8-per-channel",
+    "u8asym": "uint8-asymmetric",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One sample MoE layer and what a fuser must turn it into.
+
+    Attributes:
+        name: unique name, ``<family>_<gmm|dec>_<weights>[_rank3]``.
+        model: the ONNX model (a fresh ModelProto per :func:`get_sample` call).
+        description: the layer in words.
+        expected: fused ops and their counts, e.g. ``[("QMoE", 1)]``; ``[]`` for a near miss,
+            whose model must come out of the fuser unchanged.
+        near_miss_reason: for a near miss, the keyword a fuser's explanation should contain
+            (case-insensitive substring), e.g. ``"sigmoid routing"``; None otherwise.
+        family: ``mixtral``, ``qwen3``, ``qwen2``, ``gptoss``, ``gelu`` or ``nearmiss_<what>``.
+        spelling: ``"GroupedMatMul"`` or ``"decomposed"``.
+        weights: ``float``, ``int4-block32``, ``int4-block128``, ``uint8-per-channel`` or
+            ``uint8-asymmetric``.
+        opset: the default-domain opset the model declares (29 or 21).
+        twin: for a GroupedMatMul sample, the name of its decomposed twin (same weights).
+        expected_attributes: attributes the fused node must carry with these values (the ones
+            that carry meaning; a fuser writes every attribute, these are a subset).
+        kept_ops: ``(op_type, count)`` pairs the fused model must still hold exactly, e.g. the
+            router MatMul and a shared expert's MatMuls.
+        dim_values: a small value for each symbolic dim of the input (``T`` or ``B``, ``S``).
+    """
+
+    name: str
+    model: onnx.ModelProto
+    description: str
+    expected: list[tuple[str, int]]
+    near_miss_reason: str | None
+    family: str
+    spelling: str
+    weights: str
+    opset: int
+    twin: str | None = None
+    expected_attributes: dict[str, AttrValue] = field(default_factory=dict)
+    kept_ops: list[tuple[str, int]] = field(default_factory=list)
+    dim_values: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_near_miss(self) -> bool:
+        """True when the sample must not fuse."""
+        return not self.expected
+
+    def index_entry(self) -> dict[str, Any]:
+        """The sample's record for ``index.json`` (everything but the model)."""
+        return {
+            "name": self.name,
+            "file": f"{self.name}.onnx",
+            "expected": [[op, count] for op, count in self.expected],
+            "near_miss_reason": self.near_miss_reason,
+            "description": self.description,
+            "family": self.family,
+            "spelling": self.spelling,
+            "weights": self.weights,
+            "opset": self.opset,
+            "twin": self.twin,
+            "expected_attributes": self.expected_attributes,
+            "kept_ops": [[op, count] for op, count in self.kept_ops],
+            "dim_values": self.dim_values,
+        }
+
+
+def _make(entry: Entry) -> Sample:
+    spec = entry.spec
+    model = build_layer(spec)
+    model.doc_string = entry.description
+    meta = {
+        "onnx_moe_fuse.sample": spec.name,
+        "onnx_moe_fuse.expected": json.dumps([[op, n] for op, n in entry.expected]),
+    }
+    if entry.near_miss_reason:
+        meta["onnx_moe_fuse.near_miss_reason"] = entry.near_miss_reason
+    onnx.helper.set_model_props(model, meta)
+    dims = {"T": 5} if spec.rank == 2 else {"B": 2, "S": 3}
+    return Sample(
+        name=spec.name,
+        model=model,
+        description=entry.description,
+        expected=list(entry.expected),
+        near_miss_reason=entry.near_miss_reason,
+        family=entry.family,
+        spelling="GroupedMatMul" if spec.spelling == "gmm" else "decomposed",
+        weights=_WEIGHTS_LABEL[spec.weights],
+        opset=spec.opset,
+        twin=entry.twin,
+        expected_attributes=dict(entry.expected_attributes),
+        kept_ops=list(entry.kept_ops),
+        dim_values=dims,
+    )
+
+
+def sample_names() -> list[str]:
+    """Names of every sample, in catalogue order."""
+    return list(CATALOG)
+
+
+def get_sample(name: str) -> Sample:
+    """Build the sample called ``name`` (a fresh model each call)."""
+    try:
+        entry = CATALOG[name]
+    except KeyError:
+        raise KeyError(f"no sample {name!r}; known: {', '.join(CATALOG)}") from None
+    return _make(entry)
+
+
+def all_samples() -> list[Sample]:
+    """Build every sample, in catalogue order."""
+    return [_make(entry) for entry in CATALOG.values()]
+
+
+def default_sample() -> Sample:
+    """The README demo's sample: Mixtral-like, int4 blocked 32, decomposed experts -> QMoE."""
+    return get_sample(DEFAULT_SAMPLE)

@@ -1,0 +1,1 @@
+"""WebGPU kernels described by JSON manifests, and the runtime that runs them."""

@@ -1,0 +1,1 @@
+"""onnxscript rewriter rules, one rule family per module."""
