@@ -15,8 +15,8 @@ ReferenceEvaluator does not refuse a model that declares ``"" : 29``. It never c
 opset against its schemas; for each standard op it takes the newest implementation whose version
 is at most the declared opset, and a ``new_ops`` class, keyed by (domain, op type), is used before
 any built-in one. So an opset-29 model runs as it is, with ``GroupedMatMul`` from the OpRun below
-(the same class also overrides onnx-weekly's own implementation, so results do not depend on which
-onnx is installed). No copy with a lowered opset is needed. The caveat: an op that opset 29
+(by the evaluator's code, the same class also takes precedence over onnx-weekly's own
+implementation; that was read, not run). No copy with a lowered opset is needed. The caveat: an op that opset 29
 changed would run with its opset-28 meaning under onnx 1.23 (every other op of the samples is at
 its newest onnx 1.23 version: DequantizeLinear 28, TopK 24, Reshape/Squeeze/Unsqueeze 25, ...).
 ``onnx.checker``, by contrast, does refuse opset 29 under onnx 1.23 ("No Op registered for
@@ -56,9 +56,7 @@ __all__ = [
 DEFAULT_DIM_VALUES: dict[str, int] = {"T": 5, "B": 2, "S": 3}
 
 _MS = "com.microsoft"
-_FLOAT_DTYPES = tuple(
-    np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)
-)
+_FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
 
 
 class GroupedMatMul(OpRun):
@@ -255,9 +253,7 @@ def reference_evaluator(
     """
     if not isinstance(model, onnx.ModelProto):
         model = os.fspath(model)
-    return ReferenceEvaluator(
-        model, new_ops=list(CUSTOM_OPS), check_shape_annotations=check_shapes
-    )
+    return ReferenceEvaluator(model, new_ops=list(CUSTOM_OPS), check_shape_annotations=check_shapes)
 
 
 def run_reference(

@@ -172,6 +172,10 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 
 
+#: Functions whose meaning depends on the device; the planner supplies them.
+DEVICE_FUNCTIONS = ("f16Ok",)
+
+
 def make_f16_ok(has_shader_f16: bool) -> Callable[[Any], bool]:
     """``f16Ok(dtype)``: true unless ``dtype`` is float16 and the device lacks shader-f16."""
 
@@ -249,7 +253,7 @@ def parse(source: str) -> ast.expr:
     try:
         tree = ast.parse(source.strip(), mode="eval")
     except SyntaxError as exc:
-        raise ExpressionError(f"cannot parse {source!r}: {exc.msg}") from None
+        raise ExpressionError(f"cannot parse: {exc.msg}") from None
     _check_nodes(tree.body, source)
     return tree.body
 
@@ -282,22 +286,24 @@ _ALLOWED_NODES = (
 def _check_nodes(node: ast.AST, source: str) -> None:
     for child in ast.walk(node):
         if not isinstance(child, _ALLOWED_NODES):
-            raise ExpressionError(f"{source!r}: '{type(child).__name__}' is not allowed")
+            raise ExpressionError(f"'{type(child).__name__}' is not allowed")
         if isinstance(child, ast.Attribute) and child.attr.startswith("_"):
-            raise ExpressionError(f"{source!r}: attribute '{child.attr}' is not allowed")
+            raise ExpressionError(f"attribute '{child.attr}' is not allowed")
         if isinstance(child, ast.Call):
             if child.keywords:
-                raise ExpressionError(f"{source!r}: keyword arguments are not allowed")
+                raise ExpressionError("keyword arguments are not allowed")
             func = child.func
             if isinstance(func, ast.Attribute):
                 if func.attr != "has":
-                    raise ExpressionError(f"{source!r}: method '{func.attr}' is not allowed")
+                    raise ExpressionError(f"method '{func.attr}' is not allowed")
             elif not isinstance(func, ast.Name):
-                raise ExpressionError(f"{source!r}: only named functions may be called")
+                raise ExpressionError("only named functions may be called")
+            elif func.id not in FUNCTIONS and func.id not in DEVICE_FUNCTIONS:
+                raise ExpressionError(f"unknown function '{func.id}'")
         if isinstance(child, ast.Constant) and not isinstance(
             child.value, (int, float, str, bool, type(None))
         ):
-            raise ExpressionError(f"{source!r}: constant {child.value!r} is not allowed")
+            raise ExpressionError(f"constant {child.value!r} is not allowed")
 
 
 class Scope:

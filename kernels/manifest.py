@@ -312,7 +312,7 @@ class _Reader:
             try:
                 parse(value)
             except ExpressionError as exc:
-                raise self.error(where, str(exc)) from None
+                raise self.error(where, f"{value!r}: {exc}") from None
             return value
         if allow_literals and isinstance(value, (int, float, bool)):
             return value

@@ -32,7 +32,15 @@ import onnx
 from ._text import GraphText
 from ._weights import quantize_int4_blocked, quantize_uint8_asymmetric, quantize_uint8_channel
 
-__all__ = ["LayerSpec", "build_layer", "draw_params", "Routing", "Activation", "Spelling", "Weights"]
+__all__ = [
+    "LayerSpec",
+    "build_layer",
+    "draw_params",
+    "Routing",
+    "Activation",
+    "Spelling",
+    "Weights",
+]
 
 Routing = Literal["softmax_topk_renorm", "softmax_topk", "topk_softmax", "sigmoid_topk_renorm"]
 Activation = Literal["swiglu", "swiglu_oss", "gelu_tanh", "gelu_erf"]
@@ -66,6 +74,7 @@ class LayerSpec:
     weights_as_inputs: bool = False  # expert weights are graph inputs, not initializers
     rank: int = 2
     squeeze_by_reshape: bool = False  # decomposed spelling drops the unit axis with Reshape
+    fc1_scale: float = 1.0  # FC1 outputs have about this std (gpt-oss: large enough to clamp)
 
     @property
     def opset(self) -> int:
@@ -98,11 +107,12 @@ def draw_params(spec: LayerSpec) -> dict[str, np.ndarray]:
     p: dict[str, np.ndarray] = {}
     p["router_weight"] = normal((h, e), 1.0 / np.sqrt(h))
     p["router_bias"] = normal((e,), 0.5)
+    fc1_std = spec.fc1_scale / np.sqrt(h)
     if spec.activation == "swiglu":
-        p["fc1_gate_weight"] = normal((e, h, i), 1.0 / np.sqrt(h))
-        p["fc1_up_weight"] = normal((e, h, i), 1.0 / np.sqrt(h))
+        p["fc1_gate_weight"] = normal((e, h, i), fc1_std)
+        p["fc1_up_weight"] = normal((e, h, i), fc1_std)
     else:
-        p["fc1_weight"] = normal((e, h, spec.fc1_width), 1.0 / np.sqrt(h))
+        p["fc1_weight"] = normal((e, h, spec.fc1_width), fc1_std)
     p["fc2_weight"] = normal((e, i, h), 1.0 / np.sqrt(i))
     p["fc1_bias"] = normal((e, spec.fc1_width), 0.1)
     p["fc2_bias"] = normal((e, h), 0.1)

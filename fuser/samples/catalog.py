@@ -49,13 +49,12 @@ class _Family:
     expert_bias: bool = False
     shared_inter: int = 0
     squeeze_by_reshape: bool = False
+    fc1_scale: float = 1.0
 
 
 _MIXTRAL = _Family("mixtral", "Mixtral-like", 64, 32, 8, 2, "softmax_topk_renorm", "swiglu")
 _QWEN3 = _Family("qwen3", "Qwen3-MoE-like", 64, 32, 16, 8, "softmax_topk_renorm", "swiglu")
-_QWEN2 = _Family(
-    "qwen2", "Qwen2-MoE-like", 64, 32, 8, 4, "softmax_topk", "swiglu", shared_inter=64
-)
+_QWEN2 = _Family("qwen2", "Qwen2-MoE-like", 64, 32, 8, 4, "softmax_topk", "swiglu", shared_inter=64)
 _GPTOSS = _Family(
     "gptoss",
     "gpt-oss-like",
@@ -68,6 +67,7 @@ _GPTOSS = _Family(
     router_bias=True,
     expert_bias=True,
     squeeze_by_reshape=True,
+    fc1_scale=5.0,  # FC1 outputs beyond +-7 on a good share of elements: the clamps matter
 )
 _GELU = _Family("gelu", "GELU-MLP", 32, 64, 4, 2, "softmax_topk_renorm", "gelu_tanh")
 
@@ -97,10 +97,11 @@ _WEIGHTS_TEXT: dict[str, str] = {
     "(asymmetric) zero points that are not 128",
 }
 _SPELLING_TEXT: dict[str, str] = {
-    "gmm": "experts as GroupedMatMul (ONNX opset 29; FC2 rows flattened to [M*k, I] with "
-    "indices [M*k, 1])",
-    "dec": "experts as the Gather/Expand/MatMul decomposition (opset 21): Gather of the selected "
-    "weights [M,k,K,N], tokens Unsqueeze + Expand to [M,k,1,K], MatMul, drop the unit axis",
+    "gmm": "GroupedMatMul (ONNX opset 29); FC2 inputs flattened to [M*k, I] with indices "
+    "[M*k, 1], its output reshaped to [M, k, H]",
+    "dec": "the Gather/Expand/MatMul decomposition (opset 21): Gather of the selected "
+    "weights [M,k,K,N]; FC1 tokens Unsqueeze + Expand to [M,k,1,H], FC2 inputs Unsqueeze to "
+    "[M,k,1,I]; MatMul; the unit axis dropped by ",
 }
 
 
@@ -131,8 +132,19 @@ def _spec(
         shared_inter=fam.shared_inter,
         rank=rank,
         squeeze_by_reshape=fam.squeeze_by_reshape and spelling == "dec",
+        fc1_scale=fam.fc1_scale,
     )
     return replace(spec, **over) if over else spec  # type: ignore[arg-type]
+
+
+_BIAS_TEXT: dict[str, str] = {
+    "gmm": "; per-expert FC1/FC2 biases as GroupedMatMul's bias input",
+    "dec": "; per-expert FC1/FC2 biases by Gather + Add",
+}
+
+
+def _unit_axis(spec: LayerSpec) -> str:
+    return "Reshape(shape=[0, 0, N])" if spec.squeeze_by_reshape else "Squeeze(axes=[2])"
 
 
 def _describe(title: str, spec: LayerSpec, extra: str = "") -> str:
@@ -143,7 +155,8 @@ def _describe(title: str, spec: LayerSpec, extra: str = "") -> str:
         "Router: MatMul" + (" + Add (router bias)" if spec.router_bias else "") + "; routing: "
         f"{_ROUTING_TEXT[spec.routing]}.",
         f"Experts: {_SPELLING_TEXT[spec.spelling]}"
-        + ("; per-expert FC1/FC2 biases" if spec.expert_bias else "")
+        + (_unit_axis(spec) if spec.spelling == "dec" else "")
+        + (_BIAS_TEXT[spec.spelling] if spec.expert_bias else "")
         + f"; {_WEIGHTS_TEXT[spec.weights]}"
         + ("; expert weights are graph INPUTS, not initializers" if spec.weights_as_inputs else "")
         + ".",
@@ -220,6 +233,57 @@ def _near_miss(
     )
 
 
+# (what, base family, weights, reason keyword, why, LayerSpec overrides)
+_NEAR_MISSES: list[tuple[str, _Family, Weights, str, str, dict[str, object]]] = [
+    (
+        "sigmoid_routing",
+        _MIXTRAL,
+        "int4b32",
+        "sigmoid routing",
+        "the router scores are Sigmoid, not Softmax; neither MoE nor QMoE computes that "
+        "without router_weights.",
+        {"routing": "sigmoid_topk_renorm"},
+    ),
+    (
+        "asym_zp",
+        _MIXTRAL,
+        "u8asym",
+        "asymmetric zero point",
+        "the uint8 zero points are not the symmetric midpoint 128, and the QMoE kernels take "
+        "symmetric weights only.",
+        {},
+    ),
+    (
+        "weights_not_const",
+        _MIXTRAL,
+        "f32",
+        "weights not constant",
+        "the expert weights are graph inputs, so they cannot be repacked into the fused node's "
+        "layout at fusion time.",
+        {"weights_as_inputs": True},
+    ),
+    (
+        "qmoe_no_renorm",
+        _QWEN2,
+        "int4b32",
+        "not renormalised",
+        "the routing weights are not renormalised (Qwen2-MoE style), which only MoE can express "
+        "(normalize_routing_weights=0), but the weights are quantized, which only QMoE takes, "
+        "and QMoE always renormalises.",
+        {},
+    ),
+    (
+        "erf_gelu",
+        _GELU,
+        "f32",
+        "exact gelu",
+        "the experts use exact (Erf) GELU; MoE's gelu is the tanh approximation (1e-4 to 3e-4 "
+        "relative apart on this layer), so fusing would change the numbers.",
+        {"activation": "gelu_erf"},
+    ),
+]
+
+
 def _catalog() -> dict[str, Entry]:
     entries: list[Entry] = []
     spellings: tuple[Spelling, ...] = ("gmm", "dec")
@@ -232,58 +296,8 @@ def _catalog() -> dict[str, Entry]:
     entries += [_positive(_QWEN2, s, "f32") for s in spellings]
     entries += [_positive(_QWEN2, s, "f32", rank=3) for s in spellings]
     entries += [_positive(_GELU, s, "f32") for s in spellings]
-    for spelling in spellings:
-        entries += [
-            _near_miss(
-                "sigmoid_routing",
-                _MIXTRAL,
-                spelling,
-                "int4b32",
-                "sigmoid routing",
-                "the router scores are Sigmoid, not Softmax; neither MoE nor QMoE computes "
-                "that without router_weights.",
-                routing="sigmoid_topk_renorm",
-            ),
-            _near_miss(
-                "asym_zp",
-                _MIXTRAL,
-                spelling,
-                "u8asym",
-                "asymmetric zero point",
-                "the uint8 zero points are not the symmetric midpoint 128, and the QMoE "
-                "kernels take symmetric weights only.",
-            ),
-            _near_miss(
-                "weights_not_const",
-                _MIXTRAL,
-                spelling,
-                "f32",
-                "weights not constant",
-                "the expert weights are graph inputs, so they cannot be repacked into the "
-                "fused node's layout at fusion time.",
-                weights_as_inputs=True,
-            ),
-            _near_miss(
-                "qmoe_no_renorm",
-                _QWEN2,
-                spelling,
-                "int4b32",
-                "not renormalised",
-                "the routing weights are not renormalised (Qwen2-MoE style), which only MoE "
-                "can express (normalize_routing_weights=0), but the weights are quantized, "
-                "which only QMoE takes, and QMoE always renormalises.",
-            ),
-            _near_miss(
-                "erf_gelu",
-                _GELU,
-                spelling,
-                "f32",
-                "exact gelu",
-                "the experts use exact (Erf) GELU; MoE's gelu is the tanh approximation "
-                "(up to 3e-4 apart), so fusing would change the numbers.",
-                activation="gelu_erf",
-            ),
-        ]
+    for what, fam, weights, reason, why, over in _NEAR_MISSES:
+        entries += [_near_miss(what, fam, sp, weights, reason, why, **over) for sp in spellings]
     catalog = {e.spec.name: e for e in entries}
     if len(catalog) != len(entries):  # pragma: no cover - guards edits to this file
         raise AssertionError("duplicate sample names")
