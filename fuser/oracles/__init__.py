@@ -1,1 +1,13 @@
-"""Plain numpy reference implementations (oracles), kept apart from the WebGPU kernels."""
+"""Plain numpy reference implementations (oracles), kept apart from the WebGPU kernels.
+
+* :mod:`.grouped_matmul`: ONNX ``GroupedMatMul`` (opset 29).
+* :mod:`.moe`: ORT ``com.microsoft.MoE`` and ``com.microsoft.QMoE``.
+* :mod:`.matmul_nbits_qkv`: RMSNorm, ``MatMulNBits`` and ``com.microsoft.MatMulNBitsQkv``.
+* :mod:`.quant`: QMoE / MatMulNBits weight packing and symmetric quantisation.
+
+Conventions and what was measured against ONNX Runtime: ``docs/oracles.md``.
+
+The submodules are not re-exported here: three of them share a name with their main function
+(``moe.moe``, ``grouped_matmul.grouped_matmul``, ``matmul_nbits_qkv.matmul_nbits_qkv``), and
+re-exporting the function would hide the module. Import from the submodule.
+"""

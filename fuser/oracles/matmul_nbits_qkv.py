@@ -92,7 +92,8 @@ def rms_norm(
 
 
 def _check_nbits(
-    name: str,
+    b_name: str,
+    s_name: str,
     b: np.ndarray,
     scales: np.ndarray,
     act: np.ndarray,
@@ -102,21 +103,21 @@ def _check_nbits(
     block_size: int,
 ) -> int:
     if b.dtype != np.uint8:
-        raise ValueError(f"{name}_B must be uint8, got dtype {b.dtype}")
+        raise ValueError(f"{b_name} must be uint8, got dtype {b.dtype}")
     if b.ndim != 3:
-        raise ValueError(f"{name}_B must have rank 3 [N, k_blocks, blob_size], got {b.shape}")
+        raise ValueError(f"{b_name} must have rank 3 [N, k_blocks, blob_size], got {b.shape}")
     kb = -(-k // block_size)
     blob = block_size * bits // 8
     rows = b.shape[0] if n is None else n
     if b.shape != (rows, kb, blob):
         raise ValueError(
-            f"{name}_B must have shape [N, k_blocks, blob_size] = {(rows, kb, blob)} "
+            f"{b_name} must have shape [N, k_blocks, blob_size] = {(rows, kb, blob)} "
             f"(K = {k}, bits = {bits}, block_size = {block_size}), got {b.shape}"
         )
-    _check_same_dtype(f"{name}_scales", scales, act, "a")
+    _check_same_dtype(s_name, scales, act, "a")
     if scales.shape != (rows, kb):
         raise ValueError(
-            f"{name}_scales must have shape [N, k_blocks] = {(rows, kb)}, got {scales.shape}"
+            f"{s_name} must have shape [N, k_blocks] = {(rows, kb)}, got {scales.shape}"
         )
     return rows
 
@@ -151,7 +152,7 @@ def matmul_nbits(
     if av.ndim < 1 or av.shape[-1] == 0:
         raise ValueError(f"a must have rank >= 1 and K > 0, got shape {av.shape}")
     k = av.shape[-1]
-    _check_nbits("b", b, s, av, k, None, bits, block_size)
+    _check_nbits("b_packed", "scales", b, s, av, k, None, bits, block_size)
     w = dequantize_matmul_nbits(b, s, k, bits, block_size, dtype=np.float64)
     return (av.astype(np.float64) @ w.T).astype(av.dtype)
 
@@ -216,7 +217,7 @@ def matmul_nbits_qkv(
         ("v", v_b, v_scales, Nkv),
     ):
         bv, sv = np.asarray(b), np.asarray(s)
-        _check_nbits(name, bv, sv, av, K, n, bits, block_size)
+        _check_nbits(f"{name}_B", f"{name}_scales", bv, sv, av, K, n, bits, block_size)
         mats.append(dequantize_matmul_nbits(bv, sv, K, bits, block_size, dtype=np.float64))
     normed, residual = _rms_norm64(av, sc, epsilon, sk)
     q, k, v = (normed @ w.T for w in mats)

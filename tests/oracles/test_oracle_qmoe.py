@@ -9,13 +9,14 @@ Error measure: ``max|ort - oracle| / max|oracle|``. ORT is exact (to float32 rou
 on every path except block-wise 8-bit with constant weights, where ORT CPU quantises the
 activations to int8 per block before both GEMMs (about 1-2 %): those cases use a loose bound.
 
-Random inputs are fresh each run (seed in the messages; ``ORACLE_TEST_SEED`` replays one).
+Random inputs are fresh each run (seed in the messages; ``TEST_SEED`` replays one).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ BLOCKWISE_8BIT_CONST = 6e-2
 
 
 def _rng() -> tuple[np.random.Generator, int]:
-    seed = int(os.environ.get("ORACLE_TEST_SEED", np.random.SeedSequence().entropy))
+    seed = int(os.environ.get("TEST_SEED", secrets.randbits(32)))
     return np.random.default_rng(seed), seed
 
 
@@ -117,6 +118,7 @@ class QCase:
 
     @property
     def id(self) -> str:
+        """Readable test id."""
         parts = [f"{self.bits}b", "col" if self.block is None else f"blk{self.block}", self.act]
         if self.act == "swiglu" and (self.alpha, self.beta, self.limit) != (1.0, 0.0, None):
             parts.append(f"a{self.alpha}-b{self.beta}-lim{self.limit}")
@@ -319,6 +321,49 @@ def test_pin_interleaved_swiglu_row_order(bits):
     swap = np.arange(rows).reshape(-1, 2)[:, ::-1].reshape(-1)
     swapped = dict(d, fc1=d["fc1"][:, swap], fc1_scales=d["fc1_scales"][:, swap])
     assert rel_err(got, _oracle(swapped, case)) > 1e-2, f"seed={seed}"
+
+
+def _loop_qmoe_swiglu(d: dict, case: QCase, gate_clamp, linear_clamp) -> np.ndarray:
+    """Independent per-token loop for interleaved SwiGLU QMoE with pluggable clamps."""
+    w1 = dequantize_qmoe(d["fc1"], d["fc1_scales"], case.bits, case.block, dtype=np.float64)
+    w2 = dequantize_qmoe(d["fc2"], d["fc2_scales"], case.bits, case.block, dtype=np.float64)
+    x = d["input"].reshape(-1, case.hidden).astype(np.float64)
+    logits = d["router_probs"].astype(np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = sorted(range(case.experts), key=lambda e: (-logits[t, e], -e))[: case.k]
+        weights = np.exp(logits[t, top] - logits[t, top].max())
+        weights /= weights.sum()
+        for e, wt in zip(top, weights, strict=True):
+            h = w1[e] @ x[t]
+            g, lin = gate_clamp(h[0::2]), linear_clamp(h[1::2])
+            a = g / (1.0 + np.exp(-case.alpha * g)) * (lin + case.beta)
+            out[t] += wt * (w2[e] @ a)
+    return out.reshape(d["input"].shape)
+
+
+def test_pin_swiglu_clamp_is_one_sided_on_the_gate_and_two_sided_on_the_linear():
+    rng, seed = _rng()
+    lim = 1.0
+    case = QCase(4, None, "swiglu", k=2, limit=lim, alpha=1.702, beta=1.0, x_scale=2.0)
+    d = _make_data(case, rng)
+    got = _ort_qmoe(d, _attrs(case))
+
+    def both(v: np.ndarray) -> np.ndarray:
+        return np.clip(v, -lim, lim)
+
+    def upper(v: np.ndarray) -> np.ndarray:
+        return np.minimum(v, lim)
+
+    def none(v: np.ndarray) -> np.ndarray:
+        return v
+
+    measured = _loop_qmoe_swiglu(d, case, upper, both)
+    assert rel_err(got, measured) <= EXACT, f"seed={seed}"
+    assert rel_err(_oracle(d, case), measured) <= 1e-6, f"seed={seed}"
+    for name, g, lin in (("symmetric gate", both, both), ("no clamp", none, none)):
+        err = rel_err(got, _loop_qmoe_swiglu(d, case, g, lin))
+        assert err > 1e-3, f"ORT matches the {name} reading: {err:.3g} (seed={seed})"
 
 
 def test_pin_blockwise_8bit_inexact_only_with_constant_weights():

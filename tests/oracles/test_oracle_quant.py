@@ -2,12 +2,13 @@
 
 The layouts themselves are checked against ONNX Runtime in the QMoE, MoE and MatMulNBitsQkv test
 modules; here: nibble order, zero points, shapes, round trips and errors. Random inputs are fresh
-each run (seed in the messages; ``ORACLE_TEST_SEED`` replays one).
+each run (seed in the messages; ``TEST_SEED`` replays one).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from onnx_moe_fuse.oracles import quant
 
 
 def _rng() -> tuple[np.random.Generator, int]:
-    seed = int(os.environ.get("ORACLE_TEST_SEED", np.random.SeedSequence().entropy))
+    seed = int(os.environ.get("TEST_SEED", secrets.randbits(32)))
     return np.random.default_rng(seed), seed
 
 
