@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,48 @@ def pack_uniform(fields: list[tuple[str, str, Any]]) -> bytes:
 
 @dataclass
 class _Buffers:
+    """The GPU buffers of one call."""
+
     tensors: dict[str, Any]
     intermediates: dict[str, Any]
     dummy: Any
+    uniforms: list[Any] = field(default_factory=list)
+
+    def destroy(self) -> None:
+        for buf in [
+            *self.tensors.values(),
+            *self.intermediates.values(),
+            self.dummy,
+            *self.uniforms,
+        ]:
+            buf.destroy()
+
+
+@dataclass
+class _Command:
+    """One recorded dispatch: pipeline, bind group and grid, encodable any number of times."""
+
+    label: str
+    pipeline: Any
+    group: Any
+    grid: tuple[int, int, int]
+
+    def encode(self, encoder: Any, timestamp_writes: dict | None = None) -> None:
+        compute = encoder.begin_compute_pass(label=self.label, timestamp_writes=timestamp_writes)
+        compute.set_pipeline(self.pipeline)
+        compute.set_bind_group(0, self.group)
+        compute.dispatch_workgroups(*self.grid)
+        compute.end()
+
+
+def _timestamp_period_ns(device: Any) -> float:
+    """Nanoseconds per timestamp tick (wgpu-py has no wrapper; ask wgpu-native)."""
+    try:
+        from wgpu.backends.wgpu_native._api import libf
+
+        return float(libf.wgpuQueueGetTimestampPeriod(device.queue._internal))
+    except Exception:  # noqa: BLE001 - an older/newer wgpu-native: WebGPU specifies 1 ns
+        return 1.0
 
 
 class Kernel:
@@ -161,11 +200,21 @@ class Kernel:
         tunables: Mapping[str, Any] | None = None,
         device_limits: Mapping[str, int] | None = None,
         variant: str | None = None,
+        optional_outputs: Iterable[str] = (),
         **tensors: Any,
     ) -> Plan:
-        """Check a call and choose its variant without running it."""
+        """Check a call and choose its variant without running it.
+
+        ``optional_outputs`` names the optional outputs (bind keys) to produce.
+        """
         return make_plan(
-            self.manifest, self.device_facts(device_limits), tensors, attrs, tunables, variant
+            self.manifest,
+            self.device_facts(device_limits),
+            tensors,
+            attrs,
+            tunables,
+            variant,
+            optional_outputs,
         )
 
     def __call__(
@@ -175,22 +224,90 @@ class Kernel:
         tunables: Mapping[str, Any] | None = None,
         device_limits: Mapping[str, int] | None = None,
         poison_outputs: bool = False,
+        optional_outputs: Iterable[str] = (),
         **tensors: Any,
     ) -> dict[str, np.ndarray]:
         """Run the kernel; return its outputs keyed by bind key.
 
         ``poison_outputs`` fills the output buffers with NaN bits before the run, so an
-        element the kernel never writes shows up.
+        element the kernel never writes shows up. ``optional_outputs`` names the optional
+        outputs (bind keys) to produce; the others are not computed.
         """
         plan = self.plan(
-            attrs=attrs, tunables=tunables, device_limits=device_limits, variant=variant, **tensors
+            attrs=attrs,
+            tunables=tunables,
+            device_limits=device_limits,
+            variant=variant,
+            optional_outputs=optional_outputs,
+            **tensors,
         )
         return self.run(plan, poison_outputs=poison_outputs)
 
     # -- execution -----------------------------------------------------------------------
 
     def run(self, plan: Plan, poison_outputs: bool = False) -> dict[str, np.ndarray]:
-        """Execute a plan made by :meth:`plan`."""
+        """Execute a plan made by :meth:`plan`; return the outputs keyed by bind key."""
+        import wgpu
+
+        buffers, out_sizes = self._allocate(plan, poison_outputs)
+        try:
+            commands = self._record(plan, buffers)
+            d = self.device.device
+            label = f"{self.name}.{plan.variant.id}"
+            encoder = d.create_command_encoder(label=label)
+            for command in commands:
+                command.encode(encoder)
+            tensors, intermediates = buffers.tensors, buffers.intermediates
+
+            # One staging buffer and one map for every output and every index-check flag.
+            reads = [(key, tensors[key], n) for key, n in out_sizes.items() if n > 0]
+            reads += [
+                (f"flag:{c.flag}", intermediates[c.flag], 4) for c in self.manifest.index_checks
+            ]
+            offsets, total = {}, 0
+            for key, _, n in reads:
+                offsets[key] = total
+                total += _padded(n)
+            results: dict[str, np.ndarray] = {}
+            if total:
+                staging = d.create_buffer(
+                    label=f"{label}.readback",
+                    size=total,
+                    usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+                )
+                for key, buf, n in reads:
+                    encoder.copy_buffer_to_buffer(buf, 0, staging, offsets[key], _padded(n))
+                d.queue.submit([encoder.finish()])
+                staging.map_sync(wgpu.MapMode.READ)
+                try:
+                    raw = bytes(staging.read_mapped())
+                finally:
+                    staging.unmap()
+                staging.destroy()
+            else:
+                d.queue.submit([encoder.finish()])
+                raw = b""
+            for check in self.manifest.index_checks:
+                at = offsets[f"flag:{check.flag}"]
+                flag = int(np.frombuffer(raw[at : at + 4], dtype=np.uint32)[0])
+                if flag != _NO_INDEX_ERROR:
+                    self._raise_index_error(plan, check, flag)
+            for key, shape in plan.output_shapes.items():
+                dtype = MANIFEST_DTYPES[plan.output_dtypes[key]]
+                n = out_sizes[key]
+                if n == 0:
+                    results[key] = np.zeros(shape, dtype=dtype)
+                else:
+                    at = offsets[key]
+                    results[key] = (
+                        np.frombuffer(raw[at : at + n], dtype=dtype).reshape(shape).copy()
+                    )
+            return results
+        finally:
+            buffers.destroy()
+
+    def _allocate(self, plan: Plan, poison_outputs: bool) -> tuple[_Buffers, dict[str, int]]:
+        """Upload inputs; allocate outputs (NaN-filled when poisoned) and intermediates."""
         import wgpu
 
         dev = self.device
@@ -244,53 +361,76 @@ class Kernel:
                     label=f"{label}.{inter.id}", size=_padded(nbytes), usage=usage_io
                 )
         dummy = d.create_buffer(label=f"{label}.absent", size=_ALIGN, usage=usage_io)
-        buffers = _Buffers(tensors, intermediates, dummy)
+        return _Buffers(tensors, intermediates, dummy), out_sizes
 
-        encoder = d.create_command_encoder(label=label)
-        self._encode(encoder, variant.passes, scope, plan, buffers, label, {})
+    def time(
+        self, plan: Plan, runs: int = 10, warmup: int = 2, warmup_seconds: float = 0.5
+    ) -> tuple[list[float], str]:
+        """Seconds per run of the plan's passes, inputs uploaded once.
 
-        # One staging buffer and one map for every output and every index-check flag.
-        reads = [(key, tensors[key], n) for key, n in out_sizes.items() if n > 0]
-        reads += [(f"flag:{c.flag}", intermediates[c.flag], 4) for c in self.manifest.index_checks]
-        offsets, total = {}, 0
-        for key, _, n in reads:
-            offsets[key] = total
-            total += _padded(n)
-        results: dict[str, np.ndarray] = {}
-        if total:
-            staging = d.create_buffer(
-                label=f"{label}.readback",
-                size=total,
-                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+        With the adapter's ``timestamp-query`` feature each run is timed on the GPU, from
+        the start of its first pass to the end of its last; otherwise by wall clock around
+        a submit and a wait. Returns the times and the method ("gpu-timestamps"/"wall").
+        Warm-up runs go on for ``warmup_seconds`` at least: an idle GPU drops its clock
+        and needs a few hundred milliseconds of load to raise it again.
+        """
+        import time as clock
+
+        import wgpu
+
+        d = self.device.device
+        buffers, _ = self._allocate(plan, poison_outputs=False)
+        try:
+            commands = self._record(plan, buffers)
+            if not commands:
+                return [0.0] * runs, "empty"
+            started, done = clock.perf_counter(), 0
+            while done < warmup or clock.perf_counter() - started < warmup_seconds:
+                encoder = d.create_command_encoder(label=f"{self.name}.warmup")
+                for command in commands:
+                    command.encode(encoder)
+                d.queue.submit([encoder.finish()])
+                d._poll_wait()
+                done += 1
+            if "timestamp-query" not in self.device.features:
+                times = []
+                for _ in range(runs):
+                    encoder = d.create_command_encoder(label=f"{self.name}.timed")
+                    for command in commands:
+                        command.encode(encoder)
+                    start = clock.perf_counter()
+                    d.queue.submit([encoder.finish()])
+                    d._poll_wait()
+                    times.append(clock.perf_counter() - start)
+                return times, "wall"
+            queries = d.create_query_set(
+                label=f"{self.name}.timestamps", type="timestamp", count=2 * runs
             )
-            for key, buf, n in reads:
-                encoder.copy_buffer_to_buffer(buf, 0, staging, offsets[key], _padded(n))
+            resolved = d.create_buffer(
+                label=f"{self.name}.timestamps",
+                size=16 * runs,
+                usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
+            )
+            encoder = d.create_command_encoder(label=f"{self.name}.timed")
+            for run in range(runs):
+                last = len(commands) - 1
+                for i, command in enumerate(commands):
+                    writes = {"query_set": queries}
+                    if i == 0:
+                        writes["beginning_of_pass_write_index"] = 2 * run
+                    if i == last:
+                        writes["end_of_pass_write_index"] = 2 * run + 1
+                    command.encode(
+                        encoder, timestamp_writes=writes if (i == 0 or i == last) else None
+                    )
+            encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
             d.queue.submit([encoder.finish()])
-            staging.map_sync(wgpu.MapMode.READ)
-            try:
-                raw = bytes(staging.read_mapped())
-            finally:
-                staging.unmap()
-            staging.destroy()
-        else:
-            d.queue.submit([encoder.finish()])
-            raw = b""
-        for check in self.manifest.index_checks:
-            at = offsets[f"flag:{check.flag}"]
-            flag = int(np.frombuffer(raw[at : at + 4], dtype=np.uint32)[0])
-            if flag != _NO_INDEX_ERROR:
-                self._raise_index_error(plan, check, flag)
-        for key, shape in plan.output_shapes.items():
-            dtype = MANIFEST_DTYPES[plan.output_dtypes[key]]
-            n = out_sizes[key]
-            if n == 0:
-                results[key] = np.zeros(shape, dtype=dtype)
-            else:
-                at = offsets[key]
-                results[key] = np.frombuffer(raw[at : at + n], dtype=dtype).reshape(shape).copy()
-        for buf in [*tensors.values(), *intermediates.values(), dummy]:
-            buf.destroy()
-        return results
+            ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
+            period_ns = _timestamp_period_ns(d)
+            seconds = (ticks[1::2] - ticks[0::2]) * period_ns * 1e-9
+            return [float(t) for t in seconds], "gpu-timestamps"
+        finally:
+            buffers.destroy()
 
     def _raise_index_error(self, plan: Plan, check: Any, flag: int) -> None:
         array = plan.tensors[check.arg]
@@ -337,12 +477,26 @@ class Kernel:
             values[name] = pass_scope.lookup(name)
         return values
 
-    def _encode(
+    def _record(self, plan: Plan, buffers: _Buffers) -> list[_Command]:
+        """Every dispatch of the plan's variant, pipelines and bind groups made, in order."""
+        variant = plan.variant
+        assert variant is not None
+        commands: list[_Command] = []
+        self._record_items(
+            commands,
+            variant.passes,
+            self._variant_scope(plan),
+            buffers,
+            f"{self.name}.{variant.id}",
+            {},
+        )
+        return commands
+
+    def _record_items(
         self,
-        encoder: Any,
+        commands: list[_Command],
         items: tuple,
         scope: Scope,
-        plan: Plan,
         buffers: _Buffers,
         label: str,
         repeat: dict[str, int],
@@ -352,28 +506,27 @@ class Kernel:
                 count = scope.evaluate(item.count, f"repeat count of {item.id}")
                 for index in range(int(count)):
                     inner = {**repeat, item.index: index}
-                    self._encode(
-                        encoder,
+                    self._record_items(
+                        commands,
                         item.passes,
                         scope.child(values={"repeat": Record("repeat", inner)}),
-                        plan,
                         buffers,
                         f"{label}.{item.id}[{index}]",
                         inner,
                     )
                 continue
-            self._encode_pass(encoder, item, scope.child(derived=item.derive), buffers, label)
+            command = self._record_pass(item, scope.child(derived=item.derive), buffers, label)
+            if command is not None:
+                commands.append(command)
 
-    def _encode_pass(
-        self, encoder: Any, p: Pass, scope: Scope, buffers: _Buffers, label: str
-    ) -> None:
+    def _record_pass(self, p: Pass, scope: Scope, buffers: _Buffers, label: str) -> _Command | None:
         import wgpu
 
         dev = self.device
         d = dev.device
         groups = self._workgroups(p.dispatch, scope, p.id)
         if groups is None:
-            return
+            return None
         constants = self._template_constants(scope, p)
         bindings = self._resolved_bindings(p, scope)
         pipeline, layout = self._pipeline(p, constants, bindings)
@@ -396,12 +549,10 @@ class Kernel:
             entries.append(
                 {"binding": index, "resource": {"buffer": buf, "offset": 0, "size": buf.size}}
             )
+            if spec.kind == "uniform":
+                buffers.uniforms.append(buf)
         group = d.create_bind_group(label=f"{label}.{p.id}", layout=layout, entries=entries)
-        compute = encoder.begin_compute_pass(label=f"{label}.{p.id}")
-        compute.set_pipeline(pipeline)
-        compute.set_bind_group(0, group)
-        compute.dispatch_workgroups(*groups)
-        compute.end()
+        return _Command(f"{label}.{p.id}", pipeline, group, groups)
 
     def _workgroups(self, dispatch: Dispatch, scope: Scope, pid: str):
         """The grid for a pass, or None when there is nothing to do."""

@@ -104,9 +104,9 @@ def test_plan_prefers_decode_for_few_rows_and_tiles_for_many(device, rng):
         groupIndicesT=np.zeros((1, 2), np.int64),
     )
     many = kernel.plan(
-        inputT=np.ones((64, 16), np.float32),
+        inputT=np.ones((1024, 16), np.float32),
         weightsT=weights,
-        groupIndicesT=np.zeros((64, 2), np.int64),
+        groupIndicesT=np.zeros((1024, 2), np.int64),
     )
     assert few.variant_id == "decode"
     assert many.variant_id == "tiled"
@@ -120,11 +120,11 @@ def test_forcing_a_variant_whose_condition_fails_names_the_condition(device, rng
         "weightsT": rng.standard_normal((4, 16, 8)).astype(np.float32),
         "groupIndicesT": np.zeros((64, 2), np.int64),
     }
-    limits = {"maxComputeWorkgroupStorageSize": 40}
+    limits = {"maxComputeWorkgroupStorageSize": 2000}  # decode needs 1024 bytes, tiled 4224
     plan = kernel.plan(**call, device_limits=limits)
     assert plan.variant_id == "decode"
     assert "tiledMemoryOk" in plan.rejected["tiled"]
-    with pytest.raises(KernelCallError, match="tiledOk -> tiledMemoryOk -> groupSharedBytes"):
+    with pytest.raises(KernelCallError, match="tiledOk -> tiledMemoryOk -> tileSharedBytes"):
         kernel(**call, variant="tiled", device_limits=limits)
     with pytest.raises(KernelCallError, match="unknown variant 'fast'"):
         kernel(**call, variant="fast")
@@ -138,7 +138,7 @@ def test_grids_fold_past_the_workgroups_per_dimension_limit(device, rng, variant
         "weightsT": rng.standard_normal((2, 3, 300)).astype(np.float32),
         "groupIndicesT": rng.integers(0, 2, (70, 4)).astype(np.int64),
     }
-    # 70 * 4 * 300 outputs / 64 per workgroup = 1313 workgroups: more than 40 per dimension.
+    # 70 * 4 slots * 5 column blocks = 1400 decode workgroups: more than 40 per dimension.
     limits = {"maxComputeWorkgroupsPerDimension": 40}
     if variant == "tiled":
         # 9 row tiles + 2 groups = 11 workgroups along x: more than 10 is refused.
