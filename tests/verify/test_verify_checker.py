@@ -1,0 +1,341 @@
+"""Tests of the equivalence checker (``onnx_moe_fuse.verify``).
+
+Fused models are built by hand from a sample's weights (router MatMul + one MoE/QMoE node, the
+sample's interface kept), the way ``tests/samples/test_samples.py`` builds one-node models. A
+correct fusion must verify (the ORT path runs; the wgpu path runs where the kernel package is
+installed and is otherwise skipped with a reason naming it); a deliberately wrong one must fail
+loudly, naming the path, output, seed and error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir
+import pytest
+from onnx import helper, numpy_helper
+
+from onnx_moe_fuse.kernels.runtime import get_kernel
+from onnx_moe_fuse.oracles.quant import pack_qmoe, quantize_symmetric
+from onnx_moe_fuse.samples import Sample, get_sample
+from onnx_moe_fuse.verify import (
+    ORT_INT8_ACTIVATION_RTOL,
+    VerificationError,
+    ort_unsupported_reason,
+    verify,
+)
+
+_MS = "com.microsoft"
+
+
+def _seeds(rng: np.random.Generator, n: int = 2) -> tuple[int, ...]:
+    return tuple(int(s) for s in rng.integers(0, 2**31, n))
+
+
+def _init(model: onnx.ModelProto, name: str) -> np.ndarray:
+    for t in model.graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    raise KeyError(name)
+
+
+def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Rows of gate and up ``[E, I, ...]`` interleaved into ``[E, 2I, ...]`` (gate even)."""
+    return np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
+
+
+def _qmoe_operand(model: onnx.ModelProto, name: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """QMoE unsigned codes ``[E, N, K]`` and scales from a DequantizeLinear's initializers."""
+    codes = _init(model, f"{name}_quant")
+    scale = _init(model, f"{name}_scale").transpose(0, 2, 1)
+    if bits == 4:
+        unsigned = (codes.astype(np.int8).astype(np.int16) + 8).astype(np.uint8)
+    else:
+        unsigned, scale = codes, scale[:, :, 0]
+    return unsigned.transpose(0, 2, 1), scale
+
+
+def fused_model(sample: Sample, op: str, **overrides: object) -> onnx.ModelProto:
+    """``y = op(x, x @ router_weight (+ router_bias))`` with ``sample``'s experts and biases."""
+    m = sample.model
+    names = {t.name for t in m.graph.initializer}
+    separate = "fc1_gate_weight" in names or "fc1_gate_weight_quant" in names
+    attrs = {**sample.expected_attributes, **overrides}
+    inits = {"router_weight": _init(m, "router_weight")}
+    b1 = "fc1_bias" if "fc1_bias" in names else ""
+    b2 = "fc2_bias" if "fc2_bias" in names else ""
+    for bias in (b1, b2):
+        if bias:
+            inits[bias] = _init(m, bias)
+    if op == "MoE":
+        if separate:
+            gate = _init(m, "fc1_gate_weight").transpose(0, 2, 1)
+            inits["w1"] = _interleave(gate, _init(m, "fc1_up_weight").transpose(0, 2, 1))
+        else:
+            inits["w1"] = _init(m, "fc1_weight").transpose(0, 2, 1)
+        inits["w2"] = _init(m, "fc2_weight").transpose(0, 2, 1)
+        inputs = ["x", "logits", "w1", b1, "w2", b2]
+    else:
+        bits = int(attrs["expert_weight_bits"])  # type: ignore[call-overload]
+        if separate:
+            gc, gs = _qmoe_operand(m, "fc1_gate_weight", bits)
+            uc, us = _qmoe_operand(m, "fc1_up_weight", bits)
+            c1, s1 = _interleave(gc, uc), _interleave(gs, us)
+        else:
+            c1, s1 = _qmoe_operand(m, "fc1_weight", bits)
+        c2, s2 = _qmoe_operand(m, "fc2_weight", bits)
+        inits["w1"], inits["s1"] = pack_qmoe(c1, bits), s1
+        inits["w2"], inits["s2"] = pack_qmoe(c2, bits), s2
+        inputs = ["x", "logits", "w1", "s1", b1, "w2", "s2", b2]
+    while inputs[-1] == "":
+        inputs.pop()
+    nodes = [helper.make_node("MatMul", ["x", "router_weight"], ["logits"], name="router")]
+    if "router_bias" in names:
+        inits["router_bias"] = _init(m, "router_bias")
+        nodes[0].output[0] = "logits_unbiased"
+        nodes.append(helper.make_node("Add", ["logits_unbiased", "router_bias"], ["logits"]))
+    nodes.append(helper.make_node(op, inputs, ["y"], name="moe_fused", domain=_MS, **attrs))
+    graph = helper.make_graph(
+        nodes,
+        "fused",
+        list(m.graph.input),
+        list(m.graph.output),
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(_MS, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _perturbed(model: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for i, t in enumerate(out.graph.initializer):
+        if t.name == name:
+            arr = numpy_helper.to_array(t)
+            out.graph.initializer[i].CopyFrom(numpy_helper.from_array(arr * factor, name))
+            return out
+    raise KeyError(name)
+
+
+def _kernel_missing(op: str) -> str | None:
+    try:
+        get_kernel(op)
+    except KeyError as exc:
+        return str(exc)
+    return None
+
+
+def _check_wgpu(report_dict: dict, op: str, package: str, expect: str) -> None:
+    """The wgpu path ran with the expected status, or was skipped naming the missing package."""
+    wgpu = report_dict["paths"]["wgpu"]
+    if _kernel_missing(op) is None:
+        assert wgpu["status"] == expect, wgpu
+    else:
+        assert wgpu["status"] == "skipped"
+        assert package in wgpu["reason"] and "not installed" in wgpu["reason"]
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "package"),
+    [
+        ("mixtral_dec_int4b32", "QMoE", "kernels/qmoe"),
+        ("gptoss_dec_u8pc", "QMoE", "kernels/qmoe"),
+        ("mixtral_dec_f32", "MoE", "kernels/moe"),
+        ("gptoss_dec_f32", "MoE", "kernels/moe"),
+    ],
+)
+def test_correct_fusion_verifies(name: str, op: str, package: str, device, rng) -> None:
+    sample = get_sample(name)
+    seeds = _seeds(rng)
+    report = verify(sample.model, fused_model(sample, op), seeds=seeds, dim_values={"T": 6})
+    d = report.to_dict()
+    assert report.passed, report.summary()
+    assert d["passed"] is True and d["seeds"] == list(seeds) and d["dim_values"] == {"T": 6}
+    assert d["paths"]["ort"]["status"] == "passed", d["paths"]["ort"]
+    y = d["paths"]["ort"]["outputs"]["y"]
+    assert y["max_rel"] <= 1e-4 and y["rtol"] == 1e-4 and len(y["per_seed"]) == len(seeds)
+    _check_wgpu(d, f"{_MS}.{op}", package, "passed")
+    json.dumps(d, allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "wrong"),
+    [
+        ("mixtral_dec_f32", "MoE", {"normalize_routing_weights": 0}),
+        ("mixtral_dec_f32", "MoE", {"perturb": ("w2", 1.001)}),
+        ("mixtral_dec_int4b32", "QMoE", {"perturb": ("s2", 1.001)}),
+        ("gptoss_dec_int4b32", "QMoE", {"swiglu_limit": 9.0}),
+        ("qwen2_dec_f32", "MoE", {}),  # the fused model drops the sample's shared expert
+    ],
+)
+def test_wrong_fusion_fails_loudly(name: str, op: str, wrong: dict, device, rng) -> None:
+    sample = get_sample(name)
+    overrides = {k: v for k, v in wrong.items() if k != "perturb"}
+    fused = fused_model(sample, op, **overrides)
+    if "perturb" in wrong:
+        fused = _perturbed(fused, *wrong["perturb"])
+    seeds = _seeds(rng)
+    report = verify(sample.model, fused, seeds=seeds)
+    assert not report.passed
+    ort = report.paths["ort"]
+    assert ort.status == "failed" and not ort.outputs["y"].passed
+    assert ort.outputs["y"].max_rel > 1e-4
+    ort_messages = [m for m in report.messages if m.startswith("FAILED ort: output 'y', seed")]
+    assert ort_messages, report.messages
+    assert any(f"seed {seeds[0]}" in m or f"seed {seeds[1]}" in m for m in ort_messages)
+    assert all("max abs error" in m and "max rel error" in m for m in ort_messages)
+    _check_wgpu(report.to_dict(), f"{_MS}.{op}", f"kernels/{op.lower()}", "failed")
+    with pytest.raises(VerificationError, match=r"FAILED ort: output 'y'"):
+        report.raise_for_failure()
+    assert "verification FAILED" in str(report)
+
+
+def test_wgpu_path_catches_a_wrong_grouped_matmul_model(device, rng) -> None:
+    """The wgpu path runs today (GroupedMatMul kernel); ORT cannot take opset 29 and says so."""
+    sample = get_sample("mixtral_gmm_f32")
+    fc2 = next(t.name for t in sample.model.graph.initializer if t.name.startswith("fc2"))
+    seeds = _seeds(rng)
+    good = verify(sample.model, sample.model, seeds=seeds)
+    assert good.passed, good.summary()
+    assert good.paths["wgpu"].status == "passed"
+    assert good.paths["ort"].status == "skipped"
+    assert "GroupedMatMul" in (good.paths["ort"].reason or "")
+    bad = verify(sample.model, _perturbed(sample.model, fc2, 1.001), seeds=seeds)
+    assert not bad.passed and bad.paths["wgpu"].status == "failed"
+    assert any(m.startswith("FAILED wgpu: output 'y', seed") for m in bad.messages)
+
+
+def _qmoe_8bit_blockwise(rng: np.random.Generator) -> onnx.ModelProto:
+    e, h, i = 4, 64, 32
+    w1, s1 = quantize_symmetric(rng.standard_normal((e, 2 * i, h)) * 0.1, 8, 32)
+    w2, s2 = quantize_symmetric(rng.standard_normal((e, h, i)) * 0.1, 8, 32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (s1, "s1"), (w2, "w2"))]
+    inits.append(numpy_helper.from_array(s2, "s2"))
+    node = helper.make_node(
+        "QMoE",
+        ["x", "logits", "w1", "s1", "", "w2", "s2"],
+        ["y"],
+        name="q8",
+        domain=_MS,
+        k=2,
+        activation_type="swiglu",
+        swiglu_fusion=1,
+        expert_weight_bits=8,
+        block_size=32,
+        normalize_routing_weights=1,
+        activation_alpha=1.0,
+        activation_beta=0.0,
+    )
+    f32 = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node],
+        "q8",
+        [
+            helper.make_tensor_value_info("x", f32, ["T", h]),
+            helper.make_tensor_value_info("logits", f32, ["T", e]),
+        ],
+        [helper.make_tensor_value_info("y", f32, ["T", h])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(_MS, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def test_ort_blockwise_8bit_qmoe_gets_a_looser_tolerance_and_says_why(rng) -> None:
+    """ORT CPU quantises activations for block-wise 8-bit QMoE: 1-2% off the exact oracle."""
+    model = _qmoe_8bit_blockwise(rng)
+    seeds = _seeds(rng, 3)
+    report = verify(model, model, seeds=seeds, paths=("ort",), dim_values={"T": 16})
+    ort = report.paths["ort"]
+    assert report.passed, report.summary()
+    assert ort.outputs["y"].rtol == ORT_INT8_ACTIVATION_RTOL
+    assert 1e-3 < ort.outputs["y"].max_rel < ORT_INT8_ACTIVATION_RTOL  # really inexact
+    assert any("block-wise 8-bit" in n and "'q8'" in n for n in ort.tolerance_notes)
+    strict = verify(model, model, seeds=seeds, paths=("ort",), dim_values={"T": 16}, rtol=1e-4)
+    assert not strict.passed
+    assert any("given by the caller" in n for n in strict.paths["ort"].tolerance_notes)
+
+
+def test_structural_mismatches_fail(rng) -> None:
+    sample = get_sample("mixtral_dec_f32")
+    fused = fused_model(sample, "MoE")
+    seeds = _seeds(rng, 1)
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(fused)
+    renamed.graph.output[0].name = "z"
+    renamed.graph.node[-1].output[0] = "z"
+    r = verify(sample.model, renamed, seeds=seeds, paths=("ort",))
+    assert not r.passed and "lacks graph outputs ['y']" in r.paths["ort"].reason
+    extra = onnx.ModelProto()
+    extra.CopyFrom(fused)
+    extra.graph.input.append(helper.make_tensor_value_info("mask", onnx.TensorProto.FLOAT, [1]))
+    r = verify(sample.model, extra, seeds=seeds, paths=("ort",))
+    assert not r.passed and "needs inputs ['mask']" in r.paths["ort"].reason
+    double = onnx.ModelProto()
+    double.CopyFrom(fused)
+    double.graph.node[-1].output[0] = "y32"
+    double.graph.node.append(helper.make_node("Cast", ["y32"], ["y"], to=onnx.TensorProto.DOUBLE))
+    double.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    r = verify(sample.model, double, seeds=seeds, paths=("ort",))
+    assert not r.passed and "float64" in (r.paths["ort"].outputs["y"].problem or "")
+
+
+def test_no_path_ran_is_not_a_pass(rng) -> None:
+    sample = get_sample("mixtral_gmm_f32")
+    r = verify(sample.model, sample.model, seeds=_seeds(rng, 1), paths=("ort",))
+    assert r.paths["ort"].status == "skipped"
+    assert not r.passed and "no evaluation path could run" in r.messages[-1]
+
+
+def test_inputs_as_paths_and_ir_models(tmp_path: Path, rng) -> None:
+    sample = get_sample("mixtral_dec_int4b32")
+    path = tmp_path / "fused.onnx"
+    onnx.save_model(fused_model(sample, "QMoE"), path)
+    r = verify(onnx_ir.from_proto(sample.model), path, seeds=_seeds(rng, 1), paths=("ort",))
+    assert r.passed, r.summary()
+
+
+def test_bad_arguments() -> None:
+    m = get_sample("mixtral_dec_f32").model
+    with pytest.raises(ValueError, match="unknown evaluation paths"):
+        verify(m, m, paths=("cuda",))
+    with pytest.raises(ValueError, match="at least one seed"):
+        verify(m, m, seeds=())
+
+
+def test_missing_kernel_package_skips_wgpu_with_reason(monkeypatch, rng) -> None:
+    """While kernels/qmoe is not installed, the wgpu path is skipped and says so; ORT runs."""
+    from onnx_moe_fuse import evaluator
+
+    real = evaluator.get_kernel
+
+    def without_qmoe(name: str, *args, **kwargs):
+        if name == f"{_MS}.QMoE":
+            raise KeyError(f"no kernel package {name!r} version 1 (have: GroupedMatMul v1)")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(evaluator, "get_kernel", without_qmoe)
+    sample = get_sample("mixtral_dec_int4b32")
+    report = verify(sample.model, fused_model(sample, "QMoE"), seeds=_seeds(rng, 1))
+    wgpu = report.paths["wgpu"]
+    assert wgpu.status == "skipped" and "kernels/qmoe" in (wgpu.reason or "")
+    assert "com.microsoft.QMoE is not installed" in (wgpu.reason or "")
+    assert report.paths["ort"].status == "passed" and report.passed, report.summary()
+    assert "wgpu: skipped: " in report.summary()
+
+
+def test_ort_is_skipped_where_it_has_no_cpu_kernel() -> None:
+    node = helper.make_node("MatMulNBitsQkv", ["a"], ["q"], name="qkv", domain=_MS)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("q", onnx.TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(_MS, 1)])
+    reason = ort_unsupported_reason(model)
+    assert reason == "ORT has no CPU kernel for com.microsoft.MatMulNBitsQkv"
+    assert ort_unsupported_reason(get_sample("mixtral_dec_f32").model) is None
