@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
+
 from onnx_moe_fuse.samples import DEFAULT_SAMPLE, get_sample, sample_names
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"

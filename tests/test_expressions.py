@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from onnx_moe_fuse.kernels.expressions import (
     ExpressionError,
     FeatureSet,

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.planner import KernelCallError
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders

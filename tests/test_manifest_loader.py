@@ -6,6 +6,7 @@ import copy
 import json
 
 import pytest
+
 from onnx_moe_fuse.kernels.manifest import ManifestError, load_manifest, parse_manifest
 from onnx_moe_fuse.kernels.runtime import package_folders
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from onnx_moe_fuse.kernels.expressions import ExpressionError
 from onnx_moe_fuse.kernels.manifest import iter_passes, load_manifest
 from onnx_moe_fuse.kernels.planner import DeviceFacts, make_plan

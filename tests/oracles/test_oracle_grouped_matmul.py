@@ -11,6 +11,7 @@ import secrets
 
 import numpy as np
 import pytest
+
 from onnx_moe_fuse.oracles.grouped_matmul import grouped_matmul
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+
 from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits, matmul_nbits_qkv, rms_norm
 from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
 

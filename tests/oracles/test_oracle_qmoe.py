@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from onnx import helper, numpy_helper
+
 from onnx_moe_fuse.oracles import moe as moe_oracle
 from onnx_moe_fuse.oracles.moe import qmoe
 from onnx_moe_fuse.oracles.quant import dequantize_qmoe, pack_qmoe, quantize_symmetric

@@ -12,6 +12,7 @@ import secrets
 
 import numpy as np
 import pytest
+
 from onnx_moe_fuse.oracles import quant
 
 

@@ -18,6 +18,7 @@ import onnx
 import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
+
 from onnx_moe_fuse.oracles.quant import pack_qmoe
 from onnx_moe_fuse.reference import random_feeds, reference_evaluator, run_reference
 from onnx_moe_fuse.samples import (
