@@ -1,0 +1,425 @@
+"""onnx-ir passes of the MoE fusion pipeline, composed with ``onnx_ir.passes.PassManager``.
+
+:func:`fusion_pipeline` builds the pipeline :func:`onnx_moe_fuse.fuse` runs::
+
+    FuseMoELayersPass      layer rules (onnx_moe_fuse.rewrites.moe_layer) -> MoE / QMoE;
+                           fills a FusionReport with the fusions and the near misses
+    RemoveDeadCodePass     drop what the fused layers left dead (DequantizeLinear, the router
+                           Softmax, Constants, unused initializers); only after a fusion
+    LowerOpsetPass         "" : 29 -> 28 once no GroupedMatMul is left (opset 29 adds only
+                           GroupedMatMul, and ONNX Runtime 1.32 refuses opset-29 models)
+    FusedNodesCheckPass    postconditions: no private-domain (internal) op survives, and every
+                           fused node writes all of its attributes
+
+A model in which nothing fused comes out of the pipeline unchanged: the clean-up passes act only
+when the report holds a fusion.
+
+Near misses come from a dry run of the same rules with a tracer
+(:class:`NearMissTracer`): every match whose ``check`` failed is recorded with the reason, and so
+is a whole-pattern match that the rewriter refused because an intermediate value escapes the layer
+(with the escaping value named). A TopK whose indices feed expert selections but that no rule
+matched at all is reported too, as "not recognised". Near misses of layers that did fuse in the
+end are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+from onnxscript.rewriter import pattern
+
+from onnx_moe_fuse.rewrites.moe_layer import (
+    FUSED_OPS,
+    REPLACED_KEY,
+    RULE_CLASSES,
+    moe_layer_rule_set,
+)
+
+__all__ = [
+    "INTERNAL_DOMAIN",
+    "FusionReport",
+    "NearMissTracer",
+    "FuseMoELayersPass",
+    "RemoveDeadCodePass",
+    "LowerOpsetPass",
+    "FusedNodesCheckPass",
+    "fusion_pipeline",
+]
+
+#: Private domain for internal ops. The rules work on the standard-ONNX graph directly and never
+#: create one; the postcondition keeps it that way.
+INTERNAL_DOMAIN = "ai.onnx_moe_fuse.internal"
+MS_DOMAIN = "com.microsoft"
+
+#: Ops each default-domain opset adds or changes, for versions past the installed onnx. Opset 29
+#: adds GroupedMatMul and changes nothing else (read from onnx-weekly 1.24.0.dev20261026's schema
+#: list: the only schema with since_version 29 is GroupedMatMul).
+OPSET_CHANGES: dict[int, frozenset[str]] = {29: frozenset({"GroupedMatMul"})}
+
+#: Attributes every emitted node writes (ORT's defaults differ between builds).
+REQUIRED_ATTRIBUTES: dict[str, frozenset[str]] = {
+    "MoE": frozenset(
+        {
+            "k",
+            "activation_type",
+            "normalize_routing_weights",
+            "use_sparse_mixer",
+            "swiglu_fusion",
+            "activation_alpha",
+            "activation_beta",
+            "swiglu_limit",
+        }
+    ),
+}
+REQUIRED_ATTRIBUTES["QMoE"] = REQUIRED_ATTRIBUTES["MoE"] | {"expert_weight_bits", "block_size"}
+
+_RULE_PREFIXES = tuple(cls.__name__ for cls in RULE_CLASSES)
+
+# onnxscript's matcher refuses a whole-pattern match whose nodes feed values outside the pattern
+# with this reason (onnxscript/rewriter/_matcher.py); the tracer turns it into a named escape.
+_ESCAPE_REASON = "Matched nodes have other uses preventing replacement."
+
+
+@dataclass
+class FusionReport:
+    """What a fusion run did: one entry per emitted node and one per near miss.
+
+    ``fusions``: ``{"op", "name", "rule", "replaced": [node names], "attributes": {...}}``.
+    ``near_misses``: ``{"rule", "root", "topk", "router", "reason", "values"}``: ``root`` is the
+    node whose output the layer would have replaced (its combine), ``topk`` and ``router`` the
+    routing TopK and the Softmax/Sigmoid before it (None when unknown), ``values`` the values or
+    nodes the failing check names. Unnamed nodes are written ``OpType(first output)``.
+    """
+
+    fusions: list[dict[str, Any]] = field(default_factory=list)
+    near_misses: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+
+def _label(node: ir.Node | None) -> str | None:
+    if node is None:
+        return None
+    if node.name:
+        return node.name
+    out = node.outputs[0].name if node.outputs else ""
+    return f"{node.op_type}({out})"
+
+
+def _source_label(item: ir.Node | ir.Value) -> str:
+    if isinstance(item, ir.Node):
+        return _label(item) or ""
+    return item.name or f"output {item.index()} of {_label(item.producer())}"
+
+
+@dataclass
+class _Attempt:
+    rule: str
+    root: ir.Node
+    reason: str
+    topk: ir.Node | None
+    router: ir.Node | None
+    values: list[str]
+
+
+def _escape_reason(nodes: Iterable[ir.Node], root: ir.Node) -> tuple[str, list[str]]:
+    inside = set(nodes)
+    for node in inside:
+        for out in node.outputs:
+            if node is root:
+                continue
+            if out.is_graph_output():
+                where = "a graph output"
+            else:
+                users = [u for u, _ in out.uses() if u not in inside]
+                if not users:
+                    continue
+                where = f"used by {users[0].op_type} '{_label(users[0])}' outside the layer"
+            name = out.name or f"output {out.index()} of {_label(node)}"
+            return (
+                f"an intermediate value escapes the layer: '{name}' ({node.op_type} "
+                f"'{_label(node)}') is also {where}",
+                [name],
+            )
+    return "an intermediate value of the layer is used outside it", []
+
+
+class NearMissTracer(pattern.MatchingTracer):
+    """A tracer that keeps every refused whole-layer match (the base keeps only the best)."""
+
+    def __init__(self) -> None:
+        """Start with no attempts."""
+        super().__init__()
+        self.attempts: list[_Attempt] = []
+        self.successes: set[int] = set()
+
+    def log(self, rule, container, node, match_result, status) -> None:  # noqa: D102
+        if status == pattern.MatchStatus.SUCCESS:
+            self.successes.add(id(node))
+            return
+        reason = match_result.reason
+        escape = status == pattern.MatchStatus.NO_MATCH and reason == _ESCAPE_REASON
+        if status == pattern.MatchStatus.NO_MATCH and not escape:
+            return
+        topk = router = None
+        try:
+            values = match_result.bindings.get("topk_values")
+            scores = match_result.bindings.get("router_scores")
+        except ValueError:  # bindings of an unfinished alternative
+            values = scores = None
+        if isinstance(values, ir.Value):
+            topk = values.producer()
+        if isinstance(scores, ir.Value) and scores.producer() is not None:
+            if scores.producer().op_type in ("Softmax", "Sigmoid"):
+                router = scores.producer()
+        if escape:
+            reason, names = _escape_reason(match_result.nodes, node)
+        else:
+            names = [_source_label(s) for s in match_result.failure_nodes_and_values]
+        self.attempts.append(_Attempt(str(rule), node, reason, topk, router, names))
+
+
+def _fused_nodes(graph: ir.Graph) -> list[ir.Node]:
+    return [n for n in graph if n.domain == MS_DOMAIN and REPLACED_KEY in n.metadata_props]
+
+
+def _attr_value(attr: ir.Attr) -> Any:
+    """A plain Python value; a FLOAT attribute as the shortest decimal of its float32."""
+    v = attr.value
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    if attr.type == ir.AttributeType.FLOAT:
+        return v if math.isinf(v) else float(str(np.float32(v)))
+    return v
+
+
+def _selects_experts(topk: ir.Node) -> bool:
+    if len(topk.outputs) < 2:
+        return False
+    todo, seen = [topk.outputs[1]], 0
+    while todo and seen < 8:
+        v = todo.pop()
+        seen += 1
+        for user, _ in v.uses():
+            if user.op_type in ("Gather", "GroupedMatMul", "GatherND", "GatherElements"):
+                return True
+            if user.op_type in ("Reshape", "Unsqueeze", "Flatten", "Cast"):
+                todo.extend(user.outputs)
+    return False
+
+
+class FuseMoELayersPass(ir.passes.InPlacePass):
+    """Rewrite every provable MoE layer into ``com.microsoft.MoE`` / ``QMoE``.
+
+    ``only`` restricts the ops emitted (``{"MoE"}``, ``{"QMoE"}``; default both). The fusions
+    and near misses are appended to ``report`` (a :class:`FusionReport`, shared with the caller).
+    """
+
+    def __init__(self, report: FusionReport | None = None, only: Iterable[str] | None = None):
+        """Set up the pass; ``report`` receives what it did."""
+        super().__init__()
+        emit = FUSED_OPS if only is None else frozenset(only)
+        if not emit <= FUSED_OPS:
+            raise ValueError(f"only must name ops among {sorted(FUSED_OPS)}, got {sorted(emit)}")
+        self.emit = emit
+        self.report = report if report is not None else FusionReport()
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Dry-run the rules for near misses, then rewrite; fill the report."""
+        tracer = NearMissTracer()
+        moe_layer_rule_set(self.emit, probe=True).apply_to_model(model, tracer=tracer)
+        names = _names(model.graph)
+        count = moe_layer_rule_set(self.emit).apply_to_model(model)
+        if count:
+            # onnxscript names every unnamed node and value after a rewrite (NameFixPass): give
+            # the nodes that were already there their own names back, so that what did not fuse
+            # is exactly as it was. The originals were unique, and so stay.
+            _restore_names(names)
+
+        for node in _fused_nodes(model.graph):
+            replaced = json.loads(node.metadata_props.pop(REPLACED_KEY))
+            self.report.fusions.append(
+                {
+                    "op": node.op_type,
+                    "name": node.name,
+                    "rule": node.metadata_props.get("pkg.onnxscript.rewriter.rule_name"),
+                    "replaced": replaced,
+                    "attributes": {k: _attr_value(a) for k, a in node.attributes.items()},
+                }
+            )
+
+        seen: set[tuple[int, str]] = set()
+        explained: set[int] = set()
+        for a in tracer.attempts:
+            if a.root.graph is None:  # the layer fused after all (by another rule)
+                continue
+            key = (id(a.root), a.reason)
+            if key in seen:
+                continue
+            seen.add(key)
+            if a.topk is not None:
+                explained.add(id(a.topk))
+            self.report.near_misses.append(
+                {
+                    "rule": a.rule,
+                    "root": _label(a.root),
+                    "topk": _label(a.topk),
+                    "router": _label(a.router),
+                    "reason": a.reason,
+                    "values": a.values,
+                }
+            )
+        for node in model.graph:
+            if node.op_type == "TopK" and id(node) not in explained and _selects_experts(node):
+                self.report.near_misses.append(
+                    {
+                        "rule": None,
+                        "root": None,
+                        "topk": _label(node),
+                        "router": _label(node.inputs[0].producer() if node.inputs[0] else None),
+                        "reason": "not recognised: the indices of this TopK select experts, but "
+                        "no MoE layer rule matched the layer around it (its routing, expert, "
+                        "activation or combine spelling is not one the rules know)",
+                        "values": [],
+                    }
+                )
+        return ir.passes.PassResult(model, modified=count > 0)
+
+
+def _names(graph: ir.Graph) -> list[tuple[ir.Node | ir.Value, str | None]]:
+    names: list[tuple[ir.Node | ir.Value, str | None]] = []
+    for node in graph:
+        names.append((node, node.name))
+        names.extend((v, v.name) for v in node.outputs)
+    names.extend((v, v.name) for v in graph.inputs)
+    return names
+
+
+def _restore_names(names: list[tuple[ir.Node | ir.Value, str | None]]) -> None:
+    for item, name in names:
+        if isinstance(item, ir.Node):
+            if item.graph is not None and item.name != name:
+                item.name = name
+        elif item.name != name and (item.producer() is None or item.producer().graph is not None):
+            item.name = name
+
+
+def _fused(report: FusionReport | None) -> bool:
+    return report is None or bool(report.fusions)
+
+
+class RemoveDeadCodePass(ir.passes.InPlacePass):
+    """Remove dead nodes and unused initializers (onnx-ir's ``RemoveUnusedNodesPass``).
+
+    With a ``report``, only when it records a fusion: an unfused model stays as it was, dead code
+    it already had included.
+    """
+
+    def __init__(self, report: FusionReport | None = None):
+        """``report``: act only if it holds a fusion (None: always act)."""
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Sweep."""
+        if not _fused(self.report):
+            return ir.passes.PassResult(model, modified=False)
+        return RemoveUnusedNodesPass()(model)
+
+
+def _uses_op(graph_like: ir.Graph | ir.Function, ops: frozenset[str]) -> bool:
+    return any(
+        n.domain in ("", "ai.onnx") and n.op_type in ops
+        for n in ir.traversal.RecursiveGraphIterator(graph_like)
+    )
+
+
+class LowerOpsetPass(ir.passes.InPlacePass):
+    """Lower the default-domain opset past versions whose only changes are unused ops.
+
+    Opset 29 only adds ``GroupedMatMul`` (:data:`OPSET_CHANGES`); once fusion removed the last
+    one, ``"" : 29`` means the same as ``"" : 28``, which ONNX Runtime 1.32 loads. With a
+    ``report``, only when it records a fusion.
+    """
+
+    def __init__(self, report: FusionReport | None = None):
+        """``report``: act only if it holds a fusion (None: always act)."""
+        super().__init__()
+        self.report = report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Lower while the newest declared version's changes are unused."""
+        if not _fused(self.report):
+            return ir.passes.PassResult(model, modified=False)
+        modified = False
+        while True:
+            version = model.opset_imports.get("")
+            changes = OPSET_CHANGES.get(version) if version is not None else None
+            if changes is None:
+                break
+            if _uses_op(model.graph, changes) or any(
+                _uses_op(f, changes) for f in model.functions.values()
+            ):
+                break
+            model.opset_imports[""] = version - 1
+            model.graph.opset_imports[""] = version - 1
+            for f in model.functions.values():
+                if f.opset_imports.get("") == version:
+                    f.opset_imports[""] = version - 1
+            modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+class FusedNodesCheckPass(ir.passes.InPlacePass):
+    """Postconditions only: no internal (private-domain) op survives, fused nodes are complete."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Change nothing."""
+        return ir.passes.PassResult(model, modified=False)
+
+    def ensures(self, model: ir.Model) -> None:
+        """Raise ``PostconditionError`` on an internal op or a fused node missing an attribute."""
+        graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
+        for g in graphs:
+            for node in ir.traversal.RecursiveGraphIterator(g):
+                if node.domain.startswith(INTERNAL_DOMAIN):
+                    raise ir.passes.PostconditionError(
+                        f"internal op {node.domain}.{node.op_type} survived fusion ({_label(node)})"
+                    )
+                if node.domain == MS_DOMAIN and REPLACED_KEY in node.metadata_props:
+                    raise ir.passes.PostconditionError(
+                        f"fused node {_label(node)} still carries the {REPLACED_KEY} marker"
+                    )
+                required = REQUIRED_ATTRIBUTES.get(node.op_type)
+                rule = node.metadata_props.get("pkg.onnxscript.rewriter.rule_name", "")
+                if node.domain == MS_DOMAIN and required and rule.startswith(_RULE_PREFIXES):
+                    missing = required - set(node.attributes)
+                    if missing:
+                        raise ir.passes.PostconditionError(
+                            f"fused {node.op_type} {_label(node)} lacks attributes {sorted(missing)}"
+                        )
+
+
+def fusion_pipeline(
+    report: FusionReport | None = None, only: Iterable[str] | None = None
+) -> ir.passes.PassManager:
+    """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results."""
+    report = report if report is not None else FusionReport()
+    return ir.passes.PassManager(
+        [
+            FuseMoELayersPass(report, only),
+            RemoveDeadCodePass(report),
+            LowerOpsetPass(report),
+            FusedNodesCheckPass(),
+        ],
+        steps=1,
+    )

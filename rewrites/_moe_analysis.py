@@ -1,0 +1,1000 @@
+"""The proofs behind the MoE layer rules: from a structural match to a :class:`LayerPlan`.
+
+:func:`analyse_layer` reads the values bound by a ``moe_layer`` pattern and proves, step by step,
+that one ``com.microsoft.MoE`` or ``QMoE`` node computes exactly what the matched layer computes.
+Every step either adds facts to the plan or raises :class:`Refusal` with a plain-words reason that
+names the value or node at fault (these reasons are what ``--explain`` prints). It is a pure
+function of the graph and the bindings: the rules call it from ``check`` and again from
+``rewrite``, and keep nothing between the two calls.
+
+Steps, in order (the first failing one gives the reason):
+
+1. rank: the token rank ``r`` (2 for ``[T, H]``, 3 for ``[B, S, H]``);
+2. routing: TopK over the last axis, ``largest=1``, constant ``k``; the routing form
+   (softmax -> top-k -> renormalised, softmax -> top-k as they are, top-k -> softmax) and so
+   ``router_probs`` and ``normalize_routing_weights``; sigmoid or raw scores are refused;
+3. combine: Unsqueeze/ReduceSum (or MatMul) axes, ``keepdims=0``;
+4. experts: each projection's spelling (GroupedMatMul or Gather/Expand/MatMul), its axes and
+   Reshape targets proved symbolically, the same TopK indices everywhere, constant weights
+   (float, or DequantizeLinear of int4/uint4/int8/uint8 with symmetric zero points), optional
+   constant biases, consistent sizes ``E, H, I``;
+5. activation: relu / tanh gelu / silu / identity / SwiGLU (gate and linear column selections,
+   clamp limit, alpha, beta); exact (Erf) GELU is refused;
+6. target: MoE for float weights, QMoE for quantized ones (renormalised routing, relu or SwiGLU
+   only), within the requested ops;
+7. escapes: the router probabilities and the dequantized weights are used by the layer only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from ._graph_facts import (
+    Dim,
+    Refusal,
+    attr_float,
+    attr_int,
+    attr_str,
+    const_array,
+    const_float,
+    const_ints,
+    default_opset,
+    label,
+    node_axes,
+    normalize_axes,
+    product,
+    reshape_dims,
+    static_last_dim,
+    static_rank,
+    value_label,
+)
+
+__all__ = ["ExpertWeights", "LayerPlan", "analyse_layer", "QMOE_ACTIVATIONS", "Refusal"]
+
+#: Activations this project's QMoE kernels take (the issue: "ReLU or SwiGLU").
+QMOE_ACTIVATIONS = frozenset({"relu", "swiglu"})
+#: Activations ORT's CPU MoE runs.
+MOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+_FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+_QUANT_TYPES = {
+    ir.DataType.INT4: (4, True),
+    ir.DataType.UINT4: (4, False),
+    ir.DataType.INT8: (8, True),
+    ir.DataType.UINT8: (8, False),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """One expert projection's weights in GroupedMatMul's K-major layout ``[E, K, N]``.
+
+    Float weights keep ``array``; quantized ones keep unsigned QMoE ``codes`` (value =
+    ``(code - 2**(bits-1)) * scale``), ``scales`` ``[E, blocks, N]`` and ``block``, the block
+    size along K the source declares (0 when it declares none, or one partial block).
+    """
+
+    role: str
+    value: ir.Value
+    shape: tuple[int, int, int]
+    dtype: ir.DataType
+    array: np.ndarray | None = None
+    codes: np.ndarray | None = None
+    scales: np.ndarray | None = None
+    bits: int = 0
+    block: int = 0
+    bias: np.ndarray | None = None
+    source_nodes: tuple[ir.Node, ...] = ()
+
+    @property
+    def per_channel(self) -> bool:
+        """True when the scales can be one per expert and output channel (a single block)."""
+        return self.scales is not None and self.scales.shape[1] == 1
+
+    @property
+    def quantized(self) -> bool:
+        """True for DequantizeLinear weights."""
+        return self.codes is not None
+
+    def describe(self) -> str:
+        """E.g. ``int4 blocked 32`` or ``float``."""
+        if not self.quantized:
+            return "float"
+        if self.block and not self.per_channel:
+            return f"{self.bits}-bit blocked {self.block}"
+        if self.block:
+            return f"{self.bits}-bit per channel (one block of {self.block})"
+        return f"{self.bits}-bit per channel"
+
+
+@dataclass(frozen=True, eq=False)
+class LayerPlan:
+    """Everything the rewrite needs to emit one fused node (computed, never stored)."""
+
+    op: str
+    root: ir.Node
+    topk: ir.Node
+    tokens: ir.Value
+    router_probs: ir.Value
+    rank: int
+    num_experts: int
+    k: int
+    hidden: int
+    inter: int
+    normalize: int
+    activation: str
+    fc1: tuple[ExpertWeights, ...]
+    fc1_columns: np.ndarray
+    fc2: ExpertWeights
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float | None = None
+    bits: int = 0
+    block: int = 0
+    layer_nodes: tuple[ir.Node, ...] = field(default=())
+
+    @property
+    def quantized(self) -> bool:
+        """True when the layer becomes a QMoE."""
+        return self.op == "QMoE"
+
+    def attributes(self) -> dict[str, Any]:
+        """Every attribute of the emitted node, written explicitly."""
+        swiglu = self.activation == "swiglu"
+        attrs: dict[str, Any] = {
+            "k": int(self.k),
+            "activation_type": self.activation,
+            "normalize_routing_weights": int(self.normalize),
+            "use_sparse_mixer": 0,
+            "swiglu_fusion": 1 if swiglu else 0,
+            "activation_alpha": float(self.alpha),
+            "activation_beta": float(self.beta),
+            "swiglu_limit": float(self.limit) if self.limit is not None else math.inf,
+        }
+        if self.quantized:
+            attrs["expert_weight_bits"] = int(self.bits)
+            attrs["block_size"] = int(self.block)
+        return attrs
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _fail(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
+    return Refusal(reason, *[s for s in sources if s is not None])
+
+
+def _node_of(b: Mapping[str, Any], name: str) -> ir.Node | None:
+    v = b.get(name)
+    return v.producer() if isinstance(v, ir.Value) else None
+
+
+def _is_last_axis(axis: int | None, rank: int) -> bool:
+    return axis is not None and axis in (-1, rank - 1)
+
+
+# -- 1. rank -----------------------------------------------------------------------------------
+
+
+def _token_rank(b: Mapping[str, Any]) -> int:
+    tokens: ir.Value = b["tokens"]
+    for v in (tokens, b.get("router_scores"), b.get("topk_values"), b.get("layer_out")):
+        r = static_rank(v)
+        if r is not None:
+            break
+    else:
+        r = None
+    if r is None:
+        # the combine's non-negative ReduceSum axis names the k axis, r - 1
+        root = _node_of(b, "layer_out")
+        if root is not None and root.op_type == "ReduceSum":
+            axes = node_axes(root)
+            if axes and len(axes) == 1 and axes[0] >= 0:
+                r = axes[0] + 1
+    if r is None:
+        raise _fail(
+            f"cannot tell the rank of the tokens '{value_label(tokens)}' (no declared shape and "
+            "no constant that fixes it)",
+            tokens,
+        )
+    if r not in (2, 3):
+        raise _fail(
+            f"the tokens '{value_label(tokens)}' have rank {r}; MoE/QMoE take [tokens, H] or "
+            "[batch, seq, H]",
+            tokens,
+        )
+    return r
+
+
+# -- 2. routing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Routing:
+    topk: ir.Node
+    k: int
+    router_probs: ir.Value
+    normalize: int
+    internal_scores: ir.Node | None  # the Softmax that becomes part of the fused node
+
+
+def _routing(b: Mapping[str, Any], r: int, opset: int) -> _Routing:
+    topk_values: ir.Value = b["topk_values"]
+    topk = topk_values.producer()
+    assert topk is not None
+    if topk.outputs[1] is not b.get("topk_indices"):
+        raise _fail("the routing TopK's indices are not bound", topk)
+    if not _is_last_axis(attr_int(topk, "axis", -1), r):
+        raise _fail(
+            f"TopK '{label(topk)}' selects along axis {attr_int(topk, 'axis', -1)}, not over the "
+            "experts (last axis)",
+            topk,
+        )
+    if attr_int(topk, "largest", 1) != 1:
+        raise _fail(f"TopK '{label(topk)}' takes the smallest values (largest=0)", topk)
+    k_values = const_ints(b.get("topk_k"))
+    if not k_values or len(k_values) != 1 or k_values[0] < 1:
+        raise _fail(f"TopK '{label(topk)}' has no constant k >= 1", topk)
+    k = k_values[0]
+
+    scores: ir.Value = b["router_scores"]
+    producer = scores.producer()
+    form = b.get("weight_form")
+    if form == "softmax_k":
+        sm = _node_of(b, "routing_weights")
+        if sm is None or not _is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
+            raise _fail(
+                f"the Softmax over the top-k values '{label(sm)}' is not over the k axis", sm
+            )
+        # Softmax over the k selected scores == MoE/QMoE's top-k of router_probs with the k
+        # weights renormalised, whatever produced the scores.
+        return _Routing(topk, k, scores, 1, None)
+
+    if producer is not None and producer.op_type == "Sigmoid":
+        raise _fail(
+            f"sigmoid routing: the top-k scores come from Sigmoid '{label(producer)}', not Softmax; "
+            "MoE and QMoE softmax the router logits and cannot express sigmoid scores (that "
+            "needs router_weights)",
+            producer,
+        )
+    if producer is None or producer.op_type != "Softmax":
+        what = "a graph input" if producer is None else f"{producer.op_type} '{label(producer)}'"
+        raise _fail(
+            f"the top-k weights are not softmax probabilities: TopK '{label(topk)}' reads "
+            f"'{value_label(scores)}' ({what}) and its values are combined "
+            + ("after renormalising" if form != "as_is" else "as they are"),
+            topk,
+        )
+    if not _is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
+        raise _fail(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
+    if scores.is_graph_output() or any(user is not topk for user, _ in scores.uses()):
+        where = (
+            "a graph output"
+            if scores.is_graph_output()
+            else "used by "
+            + ", ".join(
+                sorted({f"{u.op_type} '{label(u)}'" for u, _ in scores.uses() if u is not topk})
+            )
+        )
+        raise _fail(
+            f"the router probabilities '{value_label(scores)}' escape the layer: they are also "
+            f"{where}",
+            scores,
+        )
+    logits = producer.inputs[0]
+    assert logits is not None
+    if form in ("renorm_div", "renorm_reciprocal"):
+        s = _node_of(b, "renorm_sum")
+        if s is None:
+            raise _fail("the renormalising ReduceSum is missing", topk)
+        axes = node_axes(s)
+        if axes is None or len(axes) != 1 or not _is_last_axis(axes[0], r):
+            raise _fail(
+                f"ReduceSum '{label(s)}' does not sum the k routing weights (axes {axes})", s
+            )
+        if attr_int(s, "keepdims", 1) != 1:
+            raise _fail(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
+        return _Routing(topk, k, logits, 1, producer)
+    if form == "as_is":
+        return _Routing(topk, k, logits, 0, producer)
+    raise _fail(f"unknown routing form {form!r}", topk)
+
+
+# -- 3. combine --------------------------------------------------------------------------------
+
+
+def _combine(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.Node:
+    out: ir.Value = b["layer_out"]
+    root = out.producer()
+    assert root is not None
+    unsq = _node_of(b, "routing_weights_unsq")
+    assert unsq is not None
+    if combine == "reduce_sum":
+        axes = node_axes(unsq)
+        if axes is None or normalize_axes(axes, r + 1) != [r]:
+            raise _fail(
+                f"Unsqueeze '{label(unsq)}' does not add a trailing axis to the routing weights "
+                f"(axes {axes})",
+                unsq,
+            )
+        axes = node_axes(root)
+        if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
+            raise _fail(
+                f"ReduceSum '{label(root)}' does not sum over the k axis (axes {axes})", root
+            )
+        if attr_int(root, "keepdims", 1) != 0:
+            raise _fail(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
+        return root
+    # MatMul combine: Unsqueeze(w, k-1 axis) [*, 1, k] @ expert_out [*, k, H] -> [*, 1, H]
+    axes = node_axes(unsq)
+    if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
+        raise _fail(
+            f"Unsqueeze '{label(unsq)}' does not make the routing weights a row vector per token "
+            f"(axes {axes})",
+            unsq,
+        )
+    if root.op_type == "Squeeze":
+        axes = node_axes(root)
+        if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
+            raise _fail(f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root)
+        return root
+    shape = const_ints(root.inputs[1])
+    lead = [Dim.sym(f"L{i}") for i in range(r - 1)]
+    h = Dim.of(hidden)
+    got = None if shape is None else reshape_dims([*lead, Dim.of(1), h], shape)
+    if got != [*lead, h]:
+        raise _fail(
+            f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine",
+            root,
+        )
+    return root
+
+
+# -- 4. experts --------------------------------------------------------------------------------
+
+
+def _weights(role: str, w: ir.Value | None) -> ExpertWeights:
+    if w is None:
+        raise _fail(f"{role} expert weights are missing")
+    if w.is_graph_input():
+        raise _fail(
+            f"{role} expert weights not constant: '{value_label(w)}' is a graph input, so they "
+            "cannot be repacked into the fused layout at fusion time",
+            w,
+        )
+    arr = const_array(w)
+    if arr is not None:
+        if arr.ndim != 3:
+            raise _fail(f"{role} expert weights '{value_label(w)}' are not [E, K, N]", w)
+        dtype = ir.DataType.from_numpy(arr.dtype)
+        if dtype not in _FLOAT_TYPES:
+            raise _fail(
+                f"{role} expert weights '{value_label(w)}' have type {dtype.name}; MoE takes "
+                "float32/float16",
+                w,
+            )
+        return ExpertWeights(role, w, tuple(arr.shape), dtype, array=arr)  # type: ignore[arg-type]
+    node = w.producer()
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        what = "a graph input" if node is None else f"computed by {node.op_type} '{label(node)}'"
+        raise _fail(
+            f"{role} expert weights not constant: '{value_label(w)}' is {what}, so they cannot "
+            "be repacked into the fused layout at fusion time",
+            w,
+        )
+    return _dequantized(role, w, node)
+
+
+def _dequantized(role: str, w: ir.Value, dq: ir.Node) -> ExpertWeights:
+    x_v = dq.inputs[0]
+    s_v = dq.inputs[1] if len(dq.inputs) > 1 else None
+    z_v = dq.inputs[2] if len(dq.inputs) > 2 else None
+    q, s = const_array(x_v), const_array(s_v)
+    z = const_array(z_v) if z_v is not None else None
+    if q is None or s is None or (z_v is not None and z is None):
+        raise _fail(
+            f"{role} quantized weights not constant: an input of DequantizeLinear '{label(dq)}' "
+            "is not an initializer",
+            dq,
+        )
+    qtype = x_v.dtype if x_v is not None and x_v.dtype is not None else None
+    if qtype is None:
+        qtype = ir.DataType.from_numpy(q.dtype)
+    if qtype not in _QUANT_TYPES:
+        raise _fail(
+            f"{role} weights are {qtype.name} behind DequantizeLinear '{label(dq)}'; QMoE takes "
+            "int4/uint4/int8/uint8",
+            dq,
+        )
+    bits, signed = _QUANT_TYPES[qtype]
+    if q.ndim != 3:
+        raise _fail(f"{role} quantized weights of '{label(dq)}' are not [E, K, N]", dq)
+    e, kk, n = q.shape
+    out_dtype = attr_int(dq, "output_dtype", 0) or 0
+    dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(s.dtype)
+    if dtype not in _FLOAT_TYPES or ir.DataType.from_numpy(s.dtype) != dtype:
+        raise _fail(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
+    axis = attr_int(dq, "axis", 1)
+    block = attr_int(dq, "block_size", 0) or 0
+    if block:
+        if axis not in (1, -2):
+            raise _fail(
+                f"{role} weights are blocked along axis {axis} by '{label(dq)}'; QMoE blocks "
+                "along the reduction axis K (axis 1 of [E, K, N])",
+                dq,
+            )
+        if s.shape != (e, -(-kk // block), n):
+            raise _fail(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+        scales = s
+        if kk % block:
+            if block < kk:
+                raise _fail(
+                    f"{role} block size {block} does not divide K = {kk} ('{label(dq)}')", dq
+                )
+            block = 0  # one partial block over K: one scale per expert and output channel
+    elif s.ndim == 0 or s.size == 1:
+        scales = np.broadcast_to(s.reshape(1, 1, 1), (e, 1, n))
+    elif s.ndim == 1:
+        ax = axis + 3 if axis < 0 else axis
+        if ax == 2 and s.shape == (n,):
+            scales = np.broadcast_to(s.reshape(1, 1, n), (e, 1, n))
+        elif ax == 0 and s.shape == (e,):
+            scales = np.broadcast_to(s.reshape(e, 1, 1), (e, 1, n))
+        else:
+            raise _fail(
+                f"{role} weights have one scale per input channel (axis {axis}) in "
+                f"'{label(dq)}'; QMoE scales are per output channel or blocked along K",
+                dq,
+            )
+    else:
+        raise _fail(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+    sym = 0 if signed else 1 << (bits - 1)
+    if z is None:
+        zp_ok = signed
+        zp_text = "none (which means 0)"
+    else:
+        zp_ok = bool(np.all(np.asarray(z).astype(np.int64) == sym))
+        bad = np.asarray(z).astype(np.int64)
+        bad = bad[bad != sym]
+        zp_text = f"e.g. {int(bad.reshape(-1)[0])}" if bad.size else str(sym)
+    if not zp_ok:
+        raise _fail(
+            f"asymmetric zero point: {role} weights ({qtype.name}, DequantizeLinear "
+            f"'{label(dq)}') have zero points {zp_text}, not the symmetric {sym}; the QMoE "
+            "kernels take symmetric weights only",
+            dq,
+        )
+    codes = (q.astype(np.int16) - sym + (1 << (bits - 1))).astype(np.uint8)
+    return ExpertWeights(
+        role,
+        w,
+        (e, kk, n),
+        dtype,
+        codes=codes,
+        scales=np.ascontiguousarray(scales),
+        bits=bits,
+        block=block,
+        source_nodes=(dq,),
+    )
+
+
+def _bias(role: str, bv: ir.Value | None, e: int, n: int, dtype: ir.DataType) -> np.ndarray | None:
+    if bv is None:
+        return None
+    arr = const_array(bv)
+    if arr is None:
+        raise _fail(f"{role} expert bias '{value_label(bv)}' is not constant", bv)
+    if arr.shape != (e, n):
+        raise _fail(
+            f"{role} expert bias '{value_label(bv)}' has shape {arr.shape}, not {(e, n)}", bv
+        )
+    if ir.DataType.from_numpy(arr.dtype) != dtype:
+        raise _fail(f"{role} expert bias '{value_label(bv)}' has type {arr.dtype}", bv)
+    return arr
+
+
+def _expert(
+    b: Mapping[str, Any], tag: str, role: str, r: int, k: int, topk_idx: ir.Value, per_slot: bool
+) -> ExpertWeights:
+    """Prove one projection ``[*, k, N]`` of the selected experts; return its weights."""
+    idx = b.get(f"{tag}_indices")
+    if idx is not topk_idx:
+        raise _fail(
+            f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
+            f"'{value_label(topk_idx)}'",
+            idx,
+        )
+    ew = _weights(role, b.get(f"{tag}_weight"))
+    e, kk, n = ew.shape
+    lead = [Dim.sym(f"L{i}") for i in range(r - 1)]
+    kd = Dim.of(k)
+    gmm = _node_of(b, f"{tag}_gmm")
+    if gmm is not None:
+        if not per_slot:
+            if r != 2:
+                raise _fail(f"{role}: GroupedMatMul takes rank-2 tokens [M, K]", gmm)
+        else:
+            rows, ridx, unflat = (_node_of(b, f"{tag}_{s}") for s in ("rows", "row_idx", "unflat"))
+            assert rows is not None and ridx is not None and unflat is not None
+            checks = [
+                (rows, [*lead, kd, Dim.of(kk)], [product(lead) * kd, Dim.of(kk)]),
+                (ridx, [*lead, kd], [product(lead) * kd, Dim.of(1)]),
+                (unflat, [product(lead) * kd, Dim.of(1), Dim.of(n)], [*lead, kd, Dim.of(n)]),
+            ]
+            for node, dims_in, want in checks:
+                shape = const_ints(node.inputs[1])
+                got = None
+                if shape is not None:
+                    got = reshape_dims(dims_in, shape, attr_int(node, "allowzero", 0) or 0)
+                if got != want:
+                    raise _fail(
+                        f"{role}: Reshape '{label(node)}' (shape {shape}) does not flatten or "
+                        "restore the (token, slot) rows consistently",
+                        node,
+                    )
+        bias = _bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
+        return _with_bias(ew, bias)
+
+    gather = _node_of(b, f"{tag}_gather")
+    mm = _node_of(b, f"{tag}_matmul")
+    lhs_unsq = _node_of(b, f"{tag}_lhs_unsq")
+    drop = _node_of(b, f"{tag}_drop")
+    assert gather is not None and mm is not None and lhs_unsq is not None and drop is not None
+    if attr_int(gather, "axis", 0) != 0:
+        raise _fail(
+            f"{role}: Gather '{label(gather)}' does not select along the expert axis", gather
+        )
+    axes = node_axes(lhs_unsq)
+    if per_slot:
+        # [*, k, K] -> [*, k, 1, K]
+        if axes is None or normalize_axes(axes, r + 2) != [r]:
+            raise _fail(
+                f"{role}: Unsqueeze '{label(lhs_unsq)}' does not add the row axis (axes {axes})",
+                lhs_unsq,
+            )
+        if _node_of(b, f"{tag}_expand") is not None:
+            raise _fail(f"{role}: unexpected Expand of the per-slot inputs", mm)
+    else:
+        # [*, K] -> [*, 1, 1, K] (-> Expand [*, k, 1, K])
+        if axes is None or sorted(normalize_axes(axes, r + 2) or []) != [r - 1, r]:
+            raise _fail(
+                f"{role}: Unsqueeze '{label(lhs_unsq)}' does not add the slot and row axes "
+                f"(axes {axes})",
+                lhs_unsq,
+            )
+        expand = _node_of(b, f"{tag}_expand")
+        if expand is not None:
+            shape = const_ints(expand.inputs[1])
+            if shape is None or len(shape) > r + 2:
+                raise _fail(
+                    f"{role}: Expand '{label(expand)}' has no usable constant shape", expand
+                )
+            padded = [1] * (r + 2 - len(shape)) + shape
+            ok = all(v == 1 for v in padded[: r - 1]) and padded[r - 1] in (1, k)
+            ok = ok and padded[r] == 1 and padded[r + 1] in (1, kk)
+            if not ok:
+                raise _fail(
+                    f"{role}: Expand '{label(expand)}' (shape {shape}) does not just repeat each "
+                    "token over the k slots",
+                    expand,
+                )
+    if drop.op_type == "Squeeze":
+        axes = node_axes(drop)
+        if axes is None or normalize_axes(axes, r + 2) != [r]:
+            raise _fail(f"{role}: Squeeze '{label(drop)}' does not drop the row axis", drop)
+    else:
+        shape = const_ints(drop.inputs[1])
+        got = None
+        if shape is not None:
+            got = reshape_dims(
+                [*lead, kd, Dim.of(1), Dim.of(n)], shape, attr_int(drop, "allowzero", 0) or 0
+            )
+        if got != [*lead, kd, Dim.of(n)]:
+            raise _fail(
+                f"{role}: Reshape '{label(drop)}' (shape {shape}) does not just drop the row axis",
+                drop,
+            )
+    bias = None
+    bg = _node_of(b, f"{tag}_bias_gather")
+    if bg is not None:
+        if attr_int(bg, "axis", 0) != 0:
+            raise _fail(
+                f"{role}: bias Gather '{label(bg)}' does not select along the expert axis", bg
+            )
+        if b.get(f"{tag}_bias_indices") is not topk_idx:
+            raise _fail(f"{role}: the bias is selected with other indices than the weights", bg)
+        bias = _bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
+    return _with_bias(ew, bias)
+
+
+def _with_bias(ew: ExpertWeights, bias: np.ndarray | None) -> ExpertWeights:
+    if bias is None:
+        return ew
+    return ExpertWeights(
+        ew.role,
+        ew.value,
+        ew.shape,
+        ew.dtype,
+        array=ew.array,
+        codes=ew.codes,
+        scales=ew.scales,
+        bits=ew.bits,
+        block=ew.block,
+        bias=bias,
+        source_nodes=ew.source_nodes,
+    )
+
+
+# -- 5. activation -----------------------------------------------------------------------------
+
+
+def _elementwise_activation(b: Mapping[str, Any]) -> str:
+    tag = b.get("activation")
+    act: ir.Value = b["act"]
+    node = act.producer()
+    if tag == "relu":
+        return "relu"
+    if tag == "identity":
+        return "identity"
+    if tag in ("silu_mul", "silu_mul_r"):
+        return "silu"
+    if tag == "swish":
+        alpha = attr_float(node, "alpha", 1.0) if node is not None else None
+        if alpha != 1.0:
+            raise _fail(f"Swish '{label(node)}' has alpha {alpha}; MoE's silu has alpha 1", node)
+        return "silu"
+    if tag == "fast_gelu":
+        return "gelu"
+    if tag == "gelu":
+        assert node is not None
+        approx = attr_str(node, "approximate", "none")
+        if approx == "tanh":
+            return "gelu"
+        raise _fail(
+            f"exact GELU: Gelu '{label(node)}' computes the erf form (approximate='{approx}'); "
+            "ORT's MoE 'gelu' is the tanh approximation, 1e-4 to 3e-4 apart, so fusing would "
+            "change the numbers",
+            node,
+        )
+    if tag in ("erf_gelu", "ms_gelu"):
+        raise _fail(
+            f"exact GELU: the activation '{value_label(act)}' is the erf form of GELU "
+            "(x * 0.5 * (1 + Erf(x / sqrt 2))); ORT's MoE 'gelu' is the tanh approximation, so "
+            "fusing would change the numbers",
+            node,
+        )
+    raise _fail(f"unknown activation form {tag!r}", node)
+
+
+def _columns(src: ir.Value, fc1_out: ir.Value, n1: int, r: int, role: str) -> np.ndarray:
+    """Which FC1 output columns the gate / linear operand ``src`` selects."""
+    node = src.producer()
+    if node is None or node.inputs[0] is not fc1_out:
+        raise _fail(f"SwiGLU {role} operand '{value_label(src)}' is not a slice of FC1", src)
+    if node.op_type == "Slice":
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        axes_v = node.inputs[3] if len(node.inputs) > 3 else None
+        steps_v = node.inputs[4] if len(node.inputs) > 4 else None
+        if axes_v is None:  # ONNX default: axes 0, 1, ... len(starts) - 1
+            axes = None if starts is None else list(range(len(starts)))
+        else:
+            axes = const_ints(axes_v)
+        steps = [1] if steps_v is None else const_ints(steps_v)
+        if None in (starts, ends, axes, steps) or not (
+            len(starts) == len(ends) == len(axes) == len(steps) == 1  # type: ignore[arg-type]
+        ):
+            raise _fail(
+                f"SwiGLU {role}: Slice '{label(node)}' is not a constant one-axis slice", node
+            )
+        if normalize_axes(axes, r + 1) != [r]:  # type: ignore[arg-type]
+            raise _fail(f"SwiGLU {role}: Slice '{label(node)}' does not cut the last axis", node)
+        if steps[0] <= 0:  # type: ignore[index]
+            raise _fail(f"SwiGLU {role}: Slice '{label(node)}' has a non-positive step", node)
+        return np.arange(n1)[slice(starts[0], ends[0], steps[0])]  # type: ignore[index]
+    if node.op_type == "Split":
+        axis = attr_int(node, "axis", 0)
+        if normalize_axes([axis or 0], r + 1) != [r]:
+            raise _fail(f"SwiGLU {role}: Split '{label(node)}' does not cut the last axis", node)
+        parts = len(node.outputs)
+        split_v = node.inputs[1] if len(node.inputs) > 1 else None
+        if split_v is not None:
+            sizes = const_ints(split_v)
+            if sizes is None or sum(sizes) != n1:
+                raise _fail(f"SwiGLU {role}: Split '{label(node)}' sizes are not constant", node)
+        else:
+            split_attr = node.attributes.get("split")
+            if split_attr is not None:
+                sizes = [int(v) for v in split_attr.value]
+            else:
+                if n1 % parts:
+                    raise _fail(f"SwiGLU {role}: Split '{label(node)}' is uneven", node)
+                sizes = [n1 // parts] * parts
+        which = src.index()
+        start = sum(sizes[:which])
+        return np.arange(start, start + sizes[which])
+    raise _fail(f"SwiGLU {role} operand comes from {node.op_type} '{label(node)}'", node)
+
+
+def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None]:
+    if len(clip.inputs) > 1 or "min" not in clip.attributes:
+        lo_v = clip.inputs[1] if len(clip.inputs) > 1 else None
+        hi_v = clip.inputs[2] if len(clip.inputs) > 2 else None
+        lo = None if lo_v is None else const_float(lo_v)
+        hi = None if hi_v is None else const_float(hi_v)
+        if (lo_v is not None and lo is None) or (hi_v is not None and hi is None):
+            raise _fail(f"Clip '{label(clip)}' has bounds that are not constant", clip)
+    else:  # opset < 11: attributes
+        lo, hi = attr_float(clip, "min", None), attr_float(clip, "max", None)
+    lo = None if lo is not None and math.isinf(lo) and lo < 0 else lo
+    hi = None if hi is not None and math.isinf(hi) and hi > 0 else hi
+    return lo, hi
+
+
+def _is_clip(value: ir.Value) -> bool:
+    node = value.producer()
+    return node is not None and node.op_type == "Clip"
+
+
+def _swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
+    gate_c: ir.Value = b["swiglu_gate"]
+    lin_c: ir.Value = b["swiglu_linear"]
+    gate_clip = gate_c.producer() if _is_clip(gate_c) else None
+    lin_clip = lin_c.producer() if _is_clip(lin_c) else None
+    limit = None
+    if gate_clip is not None or lin_clip is not None:
+        if gate_clip is None or lin_clip is None:
+            which = gate_clip or lin_clip
+            raise _fail(
+                f"SwiGLU clamps only one operand (Clip '{label(which)}'); MoE's swiglu_limit "
+                "clamps the gate from above and the linear operand on both sides",
+                which,
+            )
+        g_lo, g_hi = _clip_bounds(gate_clip)
+        l_lo, l_hi = _clip_bounds(lin_clip)
+        if g_lo is not None or g_hi is None or g_hi <= 0:
+            raise _fail(
+                f"SwiGLU gate Clip '{label(gate_clip)}' is not min(gate, limit) (bounds "
+                f"{g_lo}, {g_hi})",
+                gate_clip,
+            )
+        if l_hi is None or l_lo is None or l_hi != g_hi or l_lo != -g_hi:
+            raise _fail(
+                f"SwiGLU linear Clip '{label(lin_clip)}' is not clamp(x, -{g_hi}, {g_hi}) "
+                f"(bounds {l_lo}, {l_hi})",
+                lin_clip,
+            )
+        limit = float(g_hi)
+    alpha = 1.0
+    if b.get("alpha_form") == "scaled":
+        a = const_float(b.get("swiglu_alpha"))
+        if a is None:
+            raise _fail("SwiGLU: the Sigmoid's scale factor (alpha) is not a constant scalar")
+        alpha = a
+    beta = 0.0
+    if b.get("beta_form") == "shifted":
+        bb = const_float(b.get("swiglu_beta"))
+        if bb is None:
+            raise _fail("SwiGLU: the linear operand's offset (beta) is not a constant scalar")
+        beta = bb
+    return alpha, beta, limit
+
+
+def _granularity(
+    fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights, hidden: int, inter: int
+) -> tuple[int, int]:
+    """One bit width and one block size (0: per output channel) for all the projections.
+
+    A projection with a single block over K can be read either way. 8-bit prefers per channel
+    (ORT's block-wise 8-bit QMoE quantises the activations, see semantics.md); 4-bit keeps the
+    block size the source declares when every projection declares the same one.
+    """
+    parts = (*fc1, fc2)
+    text = ", ".join(f"{w.role}: {w.describe()}" for w in parts)
+    bit_set = {w.bits for w in parts}
+    if len(bit_set) != 1:
+        raise _fail(
+            f"the expert projections have different bit widths ({text}); one QMoE node takes one",
+            fc2.value,
+        )
+    bits = bit_set.pop()
+    if bits == 4 and (hidden % 2 or inter % 2):
+        raise _fail(f"4-bit QMoE packs pairs along K; H = {hidden}, I = {inter}", fc2.value)
+    per_channel = all(w.per_channel for w in parts)
+    blocks = {w.block for w in parts}
+    common = blocks.pop() if len(blocks) == 1 else 0
+    valid = (
+        common >= 16 and not common & (common - 1) and not hidden % common and not inter % common
+    )
+    if per_channel and (bits == 8 or not valid):
+        return bits, 0
+    if valid:
+        return bits, common
+    if common:
+        raise _fail(
+            f"block size {common} is not usable by QMoE (a power of two >= 16 that divides "
+            f"H = {hidden} and I = {inter}) ({text})",
+            fc2.value,
+        )
+    raise _fail(
+        f"the expert projections are quantized with different granularity ({text}); one QMoE "
+        "node takes one block size",
+        fc2.value,
+    )
+
+
+# -- the whole layer ---------------------------------------------------------------------------
+
+
+def analyse_layer(
+    b: Mapping[str, Any],
+    *,
+    family: str,
+    combine: str,
+    emit: frozenset[str],
+    matched: Collection[ir.Node] | None = None,
+    opset: int | None = None,
+) -> LayerPlan:
+    """Prove that the matched layer equals one fused node; raise :class:`Refusal` otherwise.
+
+    ``b`` holds the pattern's bindings; ``family`` is ``"gated"`` (separate gate/up experts),
+    ``"fused_gated"`` (one FC1 cut into gate/up) or ``"elementwise"``; ``combine`` is
+    ``"reduce_sum"``, ``"matmul_squeeze"`` or ``"matmul_reshape"``; ``emit`` the ops allowed;
+    ``matched`` the nodes the pattern matched (for the escape check of the dequantized weights;
+    None skips it, as ``rewrite`` does once ``check`` has passed).
+    """
+    root = b["layer_out"].producer()
+    graph = root.graph if root is not None else None
+    opset = opset if opset is not None else default_opset(graph)
+    r = _token_rank(b)
+    routing = _routing(b, r, opset)
+    k = routing.k
+    topk_idx = routing.topk.outputs[1]
+
+    if family == "gated":
+        fc1 = (
+            _expert(b, "fc1_gate", "FC1 gate", r, k, topk_idx, False),
+            _expert(b, "fc1_up", "FC1 up", r, k, topk_idx, False),
+        )
+    else:
+        fc1 = (_expert(b, "fc1", "FC1", r, k, topk_idx, False),)
+    fc2 = _expert(b, "fc2", "FC2", r, k, topk_idx, True)
+
+    e, inter, hidden = fc2.shape
+    _combine(b, r, combine, hidden)
+    for w in fc1:
+        if w.shape[0] != e or w.shape[1] != hidden:
+            raise _fail(
+                f"{w.role} weights have shape {list(w.shape)} but FC2's are {list(fc2.shape)} "
+                "(expected [E, H, ...] with the same E and H)",
+                w.value,
+            )
+    n1 = sum(w.shape[2] for w in fc1)
+    tokens: ir.Value = b["tokens"]
+    if static_last_dim(tokens) not in (None, hidden):
+        raise _fail(f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens)
+    router_e = static_last_dim(routing.router_probs)
+    if router_e is None:
+        raise _fail(
+            f"cannot prove that the router '{value_label(routing.router_probs)}' produces "
+            f"E = {e} logits per token",
+            routing.router_probs,
+        )
+    if router_e != e:
+        raise _fail(
+            f"the router produces {router_e} logits per token but there are {e} experts",
+            routing.router_probs,
+        )
+    if not 1 <= k <= e:
+        raise _fail(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
+
+    alpha, beta, limit = 1.0, 0.0, None
+    if family == "elementwise":
+        activation = _elementwise_activation(b)
+        columns = np.arange(n1)
+        if n1 != inter:
+            raise _fail(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
+    else:
+        activation = "swiglu"
+        alpha, beta, limit = _swiglu_params(b)
+        if family == "gated":
+            if fc1[0].shape != fc1[1].shape:
+                raise _fail("the gate and up experts have different shapes", fc1[1].value)
+            gate_cols = np.arange(fc1[0].shape[2])
+            lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
+        else:
+            fc1_out: ir.Value = b["fc1_out"]
+            gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, r, "gate")
+            lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, r, "linear")
+        if len(gate_cols) != inter or len(lin_cols) != inter:
+            raise _fail(
+                f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
+                f"but FC2 reads {inter}",
+                fc2.value,
+            )
+        columns = np.stack([gate_cols, lin_cols], axis=1).reshape(-1)  # row 2j gate, 2j+1 lin
+
+    dtypes = {w.dtype for w in (*fc1, fc2)}
+    if len(dtypes) != 1:
+        raise _fail("the expert weights do not all have the same float type", fc2.value)
+    quant = {w.quantized for w in (*fc1, fc2)}
+    if len(quant) != 1:
+        raise _fail(
+            "some expert weights are quantized and others are float ("
+            + ", ".join(f"{w.role}: {w.describe()}" for w in (*fc1, fc2))
+            + "); MoE takes float and QMoE quantized weights only",
+            fc2.value,
+        )
+    op = "QMoE" if quant == {True} else "MoE"
+    bits = block = 0
+    if op == "QMoE":
+        bits, block = _granularity(fc1, fc2, hidden, inter)
+        if routing.normalize != 1:
+            raise _fail(
+                f"routing weights not renormalised (TopK '{label(routing.topk)}' values used as "
+                "they are): only MoE can express this (normalize_routing_weights=0), but the "
+                "expert weights are quantized, which only QMoE takes, and QMoE always renormalises",
+                routing.topk,
+            )
+        if activation not in QMOE_ACTIVATIONS:
+            raise _fail(
+                f"QMoE takes relu or swiglu in this project's kernels, and the activation is "
+                f"{activation}",
+                b.get("act") or fc2.value,
+            )
+    elif activation not in MOE_ACTIVATIONS:  # pragma: no cover - every form above is in the set
+        raise _fail(f"MoE cannot run activation {activation}")
+    if op not in emit:
+        raise _fail(
+            f"the layer would fuse into {op}, which is not among the requested ops "
+            f"({', '.join(sorted(emit)) or 'none'})",
+            routing.topk,
+        )
+
+    # 7. escapes of the layer's nodes outside the pattern (the matcher checks the pattern's own)
+    for w in (*fc1, fc2):
+        for node in w.source_nodes:
+            out = node.outputs[0]
+            if matched is None:
+                continue
+            bad = [u for u, _ in out.uses() if u not in matched]
+            if out.is_graph_output() or bad:
+                where = "a graph output" if out.is_graph_output() else f"used by {label(bad[0])}"
+                raise _fail(
+                    f"the dequantized {w.role} weights '{value_label(out)}' escape the layer: "
+                    f"they are also {where}",
+                    out,
+                )
+
+    layer_nodes = tuple(
+        n
+        for n in (routing.internal_scores, *(s for w in (*fc1, fc2) for s in w.source_nodes))
+        if n is not None
+    )
+    return LayerPlan(
+        op=op,
+        root=root,
+        topk=routing.topk,
+        tokens=tokens,
+        router_probs=routing.router_probs,
+        rank=r,
+        num_experts=e,
+        k=k,
+        hidden=hidden,
+        inter=inter,
+        normalize=routing.normalize,
+        activation=activation,
+        fc1=fc1,
+        fc1_columns=columns,
+        fc2=fc2,
+        alpha=alpha,
+        beta=beta,
+        limit=limit,
+        bits=bits if op == "QMoE" else 0,
+        block=block if op == "QMoE" else 0,
+        layer_nodes=layer_nodes,
+    )
