@@ -150,7 +150,8 @@ def _same_bits(value: Any, attrs: Attrs) -> bool:
 
 
 def _infinite(value: Any, _attrs: Attrs) -> bool:
-    return isinstance(value, float) and math.isinf(value)
+    # ReferenceEvaluator hands float attributes over as numpy scalars, not Python floats.
+    return isinstance(value, (float, np.floating)) and math.isinf(float(value))
 
 
 def _not_positive(value: Any, _attrs: Attrs) -> bool:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything onnx-moe-fuse needs on this machine, then run the demo or the tests.
 #
-#   scripts/bootstrap.sh demo    set up, then run the main job on the embedded default sample
+#   scripts/bootstrap.sh demo    set up, then fuse and verify the embedded default sample
 #   scripts/bootstrap.sh test    set up (plus the onnx-weekly reference venv), then run pytest
 #
 # Set-up: a virtual environment in .venv with the package (editable) and its test extras;
@@ -52,9 +52,11 @@ fi
 .venv/bin/onnx-moe-fuse --list-adapters
 
 if [ "$mode" = demo ]; then
-  # The fuser's demo (fuse and verify the default sample) joins here once it lands;
-  # until then the main job is the kernel self-check.
-  exec .venv/bin/onnx-moe-fuse --self-check
+  # The main job on the embedded default sample (a Mixtral-like int4 MoE layer): fuse it
+  # into one com.microsoft.QMoE node, verify on the WebGPU kernels and in ONNX Runtime,
+  # write the fused model and the JSON report under out/.
+  mkdir -p out
+  exec .venv/bin/onnx-moe-fuse --demo --explain -o out/demo-fused.onnx --report out/demo-report.json
 fi
 
 if [ ! -x .venv-weekly/bin/python ]; then
@@ -63,4 +65,6 @@ if [ ! -x .venv-weekly/bin/python ]; then
 fi
 .venv-weekly/bin/python -m pip install -q onnx-weekly numpy
 export ONNX_WEEKLY_PYTHON="$PWD/.venv-weekly/bin/python"
+echo "== ruff"
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "${@:2}"
