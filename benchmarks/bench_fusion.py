@@ -1,0 +1,189 @@
+"""What fusion buys: ONNX Runtime CPU latency and peak memory, original vs fused, one MoE layer.
+
+Builds one MoE layer at Qwen3-30B-A3B sizes (H=2048, I=768, E=128, k=8; int4 weights blocked
+32, behind DequantizeLinear; the Gather/Expand/MatMul decomposition ORT can run) with the
+sample generator, fuses it with the tool (timed), then runs each model in ONNX Runtime's CPU
+provider at 1, 16 and 128 tokens. Every (model, tokens) session runs in its own process with
+the same intra-op thread count; the parent watches the child's resident memory and stops it
+past --mem-limit-gb, reporting "out of memory". Prints medians over --runs calls and the
+ratio original/fused, plus peak resident memory.
+
+    .venv/bin/python benchmarks/bench_fusion.py [--threads 2] [--runs 5] [--tokens 1 16 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
+
+
+def _build_layer(scale: float) -> tuple[object, dict[str, int]]:
+    from onnx_moe_fuse.samples._layers import LayerSpec, build_layer
+
+    sizes = {k: max(1, int(v * scale)) if k != "top_k" else v for k, v in SIZES.items()}
+    spec = LayerSpec(
+        name="qwen3_30b_a3b_layer",
+        hidden=sizes["hidden"],
+        inter=sizes["inter"],
+        experts=sizes["experts"],
+        top_k=sizes["top_k"],
+        routing="softmax_topk_renorm",
+        activation="swiglu",
+        spelling="dec",
+        weights="int4b32",
+        seed_key="bench_fusion",
+    )
+    return build_layer(spec), sizes
+
+
+def _child(model: str, tokens: int, threads: int, runs: int) -> None:
+    """Run inside the child process: load, warm up, time; print one JSON line."""
+    import resource
+
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    start = time.perf_counter()
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    load_s = time.perf_counter() - start
+    (feed,) = session.get_inputs()
+    hidden = feed.shape[-1]
+    x = np.random.default_rng(0).standard_normal((tokens, hidden)).astype(np.float32)
+    session.run(None, {feed.name: x})
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        session.run(None, {feed.name: x})
+        times.append(time.perf_counter() - start)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(
+        json.dumps(
+            {"median_s": float(np.median(times)), "load_s": load_s, "peak_gb": peak_kb / 2**20}
+        )
+    )
+
+
+def _rss_gb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def _measure(model: Path, tokens: int, threads: int, runs: int, limit_gb: float) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", str(model), str(tokens), str(threads), str(runs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    peak = 0.0
+    while proc.poll() is None:
+        peak = max(peak, _rss_gb(proc.pid))
+        if peak > limit_gb:
+            proc.kill()
+            proc.wait()
+            return {"error": f"out of memory (> {limit_gb:.0f} GB resident)", "peak_gb": peak}
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        last = (err.strip().splitlines() or ["?"])[-1]
+        return {"error": f"failed: {last[:120]}", "peak_gb": peak}
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_gb"] = max(result["peak_gb"], peak)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 128])
+    parser.add_argument("--mem-limit-gb", type=float, default=16.0)
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="shrink H, I and E by this factor (a quick trial run)",
+    )
+    parser.add_argument(
+        "--child", nargs=4, metavar=("MODEL", "TOKENS", "THREADS", "RUNS"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.child:
+        model, tokens, threads, runs = args.child
+        _child(model, int(tokens), int(threads), int(runs))
+        return
+
+    import onnx
+    import onnxruntime
+
+    from onnx_moe_fuse import fuse
+
+    with tempfile.TemporaryDirectory(prefix="bench_fusion_") as tmp:
+        start = time.perf_counter()
+        original, sizes = _build_layer(args.scale)
+        build_s = time.perf_counter() - start
+        start = time.perf_counter()
+        result = fuse(original)
+        fuse_s = time.perf_counter() - start
+        ops = [f["op"] for f in result.report.fusions]
+        paths = {"original": Path(tmp) / "original.onnx", "fused": Path(tmp) / "fused.onnx"}
+        onnx.save_model(original, paths["original"])
+        onnx.save_model(result.model, paths["fused"])
+        del original, result
+        print(
+            f"layer: {sizes}, int4 blocked 32, SwiGLU, softmax-top-k-renormalised; "
+            f"built in {build_s:.1f} s"
+        )
+        print(f"fusion: {ops} in {fuse_s:.2f} s (fuse() on the in-memory model, weights repacked)")
+        print(
+            f"onnxruntime {onnxruntime.__version__} CPU, {args.threads} threads, default "
+            f"graph optimisations, median of {args.runs} runs after one warm-up; one process "
+            f"per cell; memory limit {args.mem_limit_gb:.0f} GB"
+        )
+        print(
+            "| tokens | original ms | fused ms | original / fused | original peak GB | "
+            "fused peak GB |"
+        )
+        print("|---|---|---|---|---|---|")
+        for tokens in args.tokens:
+            cells = {
+                name: _measure(path, tokens, args.threads, args.runs, args.mem_limit_gb)
+                for name, path in paths.items()
+            }
+            o, f = cells["original"], cells["fused"]
+
+            def ms(cell: dict) -> str:
+                return cell["error"] if "error" in cell else f"{cell['median_s'] * 1e3:.1f}"
+
+            ratio = (
+                f"{o['median_s'] / f['median_s']:.0f}x"
+                if "median_s" in o and "median_s" in f
+                else "-"
+            )
+            print(
+                f"| {tokens} | {ms(o)} | {ms(f)} | {ratio} | {o['peak_gb']:.2f} | "
+                f"{f['peak_gb']:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
