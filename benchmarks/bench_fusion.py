@@ -46,8 +46,6 @@ def _build_layer(scale: float) -> tuple[object, dict[str, int]]:
 
 def _child(model: str, tokens: int, threads: int, runs: int) -> None:
     """Run inside the child process: load, warm up, time; print one JSON line."""
-    import resource
-
     import numpy as np
     import onnxruntime as ort
 
@@ -66,22 +64,24 @@ def _child(model: str, tokens: int, threads: int, runs: int) -> None:
         start = time.perf_counter()
         session.run(None, {feed.name: x})
         times.append(time.perf_counter() - start)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(
-        json.dumps(
-            {"median_s": float(np.median(times)), "load_s": load_s, "peak_gb": peak_kb / 2**20}
-        )
-    )
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec and would count the parent's memory.
+    peak_gb = _status_gb(os.getpid(), "VmHWM:")
+    print(json.dumps({"median_s": float(np.median(times)), "load_s": load_s, "peak_gb": peak_gb}))
 
 
-def _rss_gb(pid: int) -> float:
+def _status_gb(pid: int, key: str) -> float:
+    """A memory figure (kB in /proc/PID/status) in GiB; 0 when the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass
     return 0.0
+
+
+def _rss_gb(pid: int) -> float:
+    return _status_gb(pid, "VmRSS:")
 
 
 def _measure(model: Path, tokens: int, threads: int, runs: int, limit_gb: float) -> dict:
