@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import string
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +185,20 @@ def _shape_records(specs: list[tuple[TensorSpec, tuple[int, ...], str]]):
     return shapes, ranks, dtypes
 
 
+def _optional_outputs(manifest: KernelManifest, names: Iterable[str]) -> frozenset[str]:
+    if isinstance(names, str):
+        names = (names,)
+    optional = [t.bind_key for t in manifest.outputs if t.optional]
+    for name in names:
+        if name not in optional:
+            known = ", ".join(optional) or "none"
+            raise KernelCallError(
+                f"{manifest.qualified_name}: {name!r} is not an optional output "
+                f"(optional outputs: {known})"
+            )
+    return frozenset(names)
+
+
 def make_plan(
     manifest: KernelManifest,
     device: DeviceFacts,
@@ -192,9 +206,15 @@ def make_plan(
     attrs: Mapping[str, Any] | None = None,
     tunables: Mapping[str, Any] | None = None,
     variant: str | None = None,
+    optional_outputs: Iterable[str] = (),
 ) -> Plan:
-    """Check a call and choose its variant (``variant`` forces one)."""
+    """Check a call and choose its variant (``variant`` forces one).
+
+    Optional outputs are produced only when named in ``optional_outputs`` (bind keys);
+    ``present.<key>`` tells the manifest's expressions which ones were asked for.
+    """
     kernel = manifest.qualified_name
+    wanted = _optional_outputs(manifest, optional_outputs)
     bound = _bind_tensors(manifest, tensors)
     type_vars = _resolve_types(manifest, bound)
     attr_values = _attributes(manifest, attrs)
@@ -204,7 +224,9 @@ def make_plan(
     present = {t.bind_key: t.bind_key in bound for t in manifest.tensors.values()}
     present.update({t.semantic: present[t.bind_key] for t in manifest.tensors.values()})
     for spec in manifest.outputs:
-        present[spec.bind_key] = present[spec.semantic] = not spec.optional
+        present[spec.bind_key] = present[spec.semantic] = (
+            not spec.optional or spec.bind_key in wanted
+        )
 
     def scope_for(specs) -> Scope:
         shapes, ranks, dtypes = _shape_records(specs)

@@ -628,6 +628,16 @@ class Kernel:
         if cached is not None:
             return cached
         code = self.render(p.shader, constants, decls)
+        # Second level, keyed by the WGSL itself: passes whose templates ignore most
+        # constants (routing, grouping, mixing) share one pipeline across shapes and
+        # variants. The code holds the binding declarations, so it fixes the layout too.
+        code_key = ("wgsl", code)
+        with dev.lock:
+            cached = dev.pipelines.get(code_key)
+            if cached is not None:
+                dev.pipelines[key] = cached
+        if cached is not None:
+            return cached
         d = dev.device
         label = p.name
         module = d.create_shader_module(label=label, code=code)
@@ -653,7 +663,7 @@ class Kernel:
             compute={"module": module, "entry_point": "main"},
         )
         with dev.lock:
-            dev.pipelines[key] = (pipeline, layout)
+            dev.pipelines[key] = dev.pipelines[code_key] = (pipeline, layout)
         return pipeline, layout
 
     def render(self, shader: str, constants: dict[str, Any], decls: list[dict]) -> str:
