@@ -8,7 +8,13 @@
 * ``com.microsoft.MoE`` -> :func:`onnx_moe_fuse.oracles.moe.moe`;
 * ``com.microsoft.QMoE`` -> :func:`onnx_moe_fuse.oracles.moe.qmoe` (symmetric weights; zero-point
   inputs are accepted only when they hold the symmetric point, and FC3, ``router_weights``,
-  sparse mixer and the FP4/FP8 extras are refused with ``NotImplementedError``).
+  sparse mixer and the FP4/FP8 extras are refused with ``NotImplementedError``);
+* ``com.microsoft.MatMulNBits`` -> a numpy dequantisation (2/4/8 bits, packed or float zero points,
+  ``g_idx``, bias; ``accuracy_level`` ignored: the reference is exact);
+* ``SimplifiedLayerNormalization`` (default domain, where ONNX Runtime registers it) and
+  ``com.microsoft.SkipSimplifiedLayerNormalization`` -> RMS norm in float64 (stash type float);
+* ``com.microsoft.MatMulNBitsQkv`` -> :func:`onnx_moe_fuse.oracles.matmul_nbits_qkv.
+  matmul_nbits_qkv` (no biases: a bias input is refused with ``NotImplementedError``).
 
 Opset 29 under onnx 1.23 (measured with onnx 1.23.2, whose newest opset is 28): the
 ReferenceEvaluator does not refuse a model that declares ``"" : 29``. It never checks the declared
@@ -40,13 +46,19 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from .oracles.grouped_matmul import grouped_matmul
+from .oracles.matmul_nbits_qkv import matmul_nbits_qkv
 from .oracles.moe import moe, qmoe
+from .oracles.quant import unpack_bits
 
 __all__ = [
     "DEFAULT_DIM_VALUES",
     "GroupedMatMul",
+    "MatMulNBits",
+    "MatMulNBitsQkv",
     "MoE",
     "QMoE",
+    "SimplifiedLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
     "reference_evaluator",
     "run_reference",
     "random_feeds",
@@ -240,7 +252,267 @@ class QMoE(OpRun):
         return (out.astype(input.dtype, copy=False),)
 
 
-CUSTOM_OPS: tuple[type[OpRun], ...] = (GroupedMatMul, MoE, QMoE)
+# -- RMS norm and 4-bit projections (MatMulNBitsQkv and the composition it replaces) --------------
+
+
+def _dequantize_nbits(
+    b: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    g_idx: np.ndarray | None,
+    *,
+    k: int,
+    n: int,
+    bits: int,
+    block_size: int,
+) -> np.ndarray:
+    """MatMulNBits weights ``[N, K]`` in float64: ``(code - zero_point) * scale`` per block.
+
+    ``B [N, k_blocks, blob]`` uint8 (low bits first); ``scales [N, k_blocks]`` or flat;
+    ``zero_points``: None (the midpoint ``2 ** (bits - 1)``), uint8 packed ``[N, ceil(k_blocks *
+    bits / 8)]`` (or flat), or of the scales' float type ``[N, k_blocks]``; ``g_idx [K]``: the
+    block of each k (act order), else ``k // block_size``.
+    """
+    if bits not in (2, 4, 8):
+        raise _refuse("MatMulNBits", f"bits={bits}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(
+            f"com.microsoft.MatMulNBits: block_size={block_size} is not a power of 2 >= 16"
+        )
+    kb = -(-k // block_size)
+    blob = block_size * bits // 8
+    b = np.asarray(b)
+    if b.dtype != np.uint8 or b.size != n * kb * blob:
+        raise ValueError(
+            f"com.microsoft.MatMulNBits: B must be uint8 [N, k_blocks, blob] = {(n, kb, blob)}, "
+            f"got {b.dtype} {b.shape}"
+        )
+    codes = unpack_bits(b.reshape(n, kb * blob), bits).reshape(n, kb * block_size)[:, :k]
+    sc = np.asarray(scales, dtype=np.float64)
+    if sc.size != n * kb:
+        raise ValueError(
+            f"com.microsoft.MatMulNBits: scales must hold N * k_blocks = {n * kb} values, got {sc.shape}"
+        )
+    sc = sc.reshape(n, kb)
+    if zero_points is None:
+        zp = np.full((n, kb), float(1 << (bits - 1)))
+    else:
+        z = np.asarray(zero_points)
+        if z.dtype == np.uint8:
+            per_row = -(-kb * bits // 8)
+            if z.size != n * per_row:
+                raise ValueError(
+                    f"com.microsoft.MatMulNBits: packed zero_points must hold N * ceil(k_blocks * "
+                    f"bits / 8) = {n * per_row} bytes, got {z.shape}"
+                )
+            zp = unpack_bits(z.reshape(n, per_row), bits)[:, :kb].astype(np.float64)
+        else:
+            if z.size != n * kb:
+                raise ValueError(
+                    f"com.microsoft.MatMulNBits: zero_points must hold {n * kb} values, got {z.shape}"
+                )
+            zp = z.astype(np.float64).reshape(n, kb)
+    if g_idx is None:
+        block_of_k = np.arange(k) // block_size
+    else:
+        block_of_k = np.asarray(g_idx).reshape(-1).astype(np.int64)
+        if (
+            block_of_k.shape != (k,)
+            or block_of_k.min(initial=0) < 0
+            or block_of_k.max(initial=0) >= kb
+        ):
+            raise ValueError(f"com.microsoft.MatMulNBits: g_idx must be [K] block indices < {kb}")
+    return (codes.astype(np.float64) - zp[:, block_of_k]) * sc[:, block_of_k]
+
+
+class MatMulNBits(OpRun):
+    """ORT ``com.microsoft.MatMulNBits``: ``Y = A @ dequant(B).T (+ bias)``, exact (float64)."""
+
+    op_domain = _MS
+
+    def _run(  # type: ignore[override]
+        self,
+        A: np.ndarray,  # noqa: N803 - named after the ONNX input
+        B: np.ndarray,  # noqa: N803
+        scales: np.ndarray,
+        zero_points: np.ndarray | None = None,
+        g_idx: np.ndarray | None = None,
+        bias: np.ndarray | None = None,
+        *,
+        K: int,  # noqa: N803 - the ONNX attribute names
+        N: int,  # noqa: N803
+        bits: int = 4,
+        block_size: int,
+        accuracy_level: int = 0,  # lets ORT quantise A to int8; the reference is exact
+        weight_prepacked: int = 0,
+    ) -> tuple[np.ndarray]:
+        del accuracy_level
+        if weight_prepacked:
+            raise _refuse("MatMulNBits", "weight_prepacked=1")
+        if A.shape[-1] != K:
+            raise ValueError(
+                f"com.microsoft.MatMulNBits: A has last axis {A.shape[-1]}, but K = {K}"
+            )
+        w = _dequantize_nbits(
+            B,
+            scales,
+            zero_points,
+            g_idx,
+            k=int(K),
+            n=int(N),
+            bits=int(bits),
+            block_size=int(block_size),
+        )
+        y = A.astype(np.float64) @ w.T
+        if bias is not None:
+            y = y + bias.astype(np.float64)
+        return (y.astype(A.dtype),)
+
+
+def _rms_norm(
+    x: np.ndarray, scale: np.ndarray, epsilon: float, axis: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``x / sqrt(mean(x * x over axes [axis, rank)) + epsilon) * scale`` in float64.
+
+    Returns the normalised-and-scaled value (float64) and ``1 / rms`` (float64, reduced axes kept).
+    """
+    axis = axis + x.ndim if axis < 0 else axis
+    if not 0 <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for rank {x.ndim}")
+    xf = x.astype(np.float64)
+    axes = tuple(range(axis, x.ndim))
+    inv = 1.0 / np.sqrt(np.mean(xf * xf, axis=axes, keepdims=True) + float(epsilon))
+    return xf * inv * scale.astype(np.float64), inv
+
+
+def _refuse_default(op: str, what: str) -> NotImplementedError:
+    return NotImplementedError(f"{op}: {what} is not supported by the reference path")
+
+
+class SimplifiedLayerNormalization(OpRun):
+    """ORT's ``SimplifiedLayerNormalization`` (registered in the default ONNX domain): RMS norm.
+
+    ``Y = X / sqrt(mean(X^2 over axes [axis, rank)) + epsilon) * scale`` (type of ``scale``);
+    optional output ``inv_std_var`` (float32, reduced axes kept as 1).
+    """
+
+    op_domain = ""
+
+    def _run(  # type: ignore[override]
+        self,
+        X: np.ndarray,  # noqa: N803 - named after the ONNX input
+        scale: np.ndarray,
+        *,
+        axis: int = -1,
+        epsilon: float = 1e-5,
+        stash_type: int = 1,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if stash_type not in (1, 11):
+            raise _refuse_default("SimplifiedLayerNormalization", f"stash_type={stash_type}")
+        y, inv = _rms_norm(X, scale, epsilon, int(axis))
+        stash = np.float64 if stash_type == 11 else np.float32
+        return y.astype(scale.dtype), inv.astype(stash)
+
+
+class SkipSimplifiedLayerNormalization(OpRun):
+    """ORT ``com.microsoft.SkipSimplifiedLayerNormalization``: RMS norm of ``input + skip (+ bias)``.
+
+    Outputs (as ONNX Runtime 1.32 CPU, measured): ``output``; ``mean`` (zeros, ``[..., 1]``);
+    ``inv_std_var`` (``[..., 1]``, float32); ``input_skip_bias_sum`` (``input + skip (+ bias)``).
+    ``skip`` may broadcast over ``input``'s leading axes.
+    """
+
+    op_domain = _MS
+
+    def _run(  # type: ignore[override]
+        self,
+        input: np.ndarray,  # noqa: A002 - named after the ONNX input
+        skip: np.ndarray,
+        gamma: np.ndarray,
+        bias: np.ndarray | None = None,
+        *,
+        epsilon: float = 1e-12,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        s = input.astype(np.float64) + skip.astype(np.float64)
+        if bias is not None:
+            s = s + bias.astype(np.float64)
+        summed = s.astype(input.dtype)
+        y, inv = _rms_norm(s, gamma, epsilon, -1)
+        mean = np.zeros(inv.shape, dtype=np.float32)
+        return y.astype(input.dtype), mean, inv.astype(np.float32), summed
+
+
+class MatMulNBitsQkv(OpRun):
+    """ORT ``com.microsoft.MatMulNBitsQkv`` through the numpy oracle (inputs at ORT's positions).
+
+    Inputs: A, skip, norm_scale, q_B, q_scales, q_bias, k_B, k_scales, k_bias, v_B, v_scales,
+    v_bias; outputs Q, K, V and (when ``skip`` is given) ``input_skip_bias_sum``.
+    """
+
+    op_domain = _MS
+
+    def _run(  # type: ignore[override]
+        self,
+        A: np.ndarray,  # noqa: N803 - named after the ONNX input
+        skip: np.ndarray | None,
+        norm_scale: np.ndarray,
+        q_B: np.ndarray,  # noqa: N803
+        q_scales: np.ndarray,
+        q_bias: np.ndarray | None = None,
+        k_B: np.ndarray | None = None,  # noqa: N803
+        k_scales: np.ndarray | None = None,
+        k_bias: np.ndarray | None = None,
+        v_B: np.ndarray | None = None,  # noqa: N803
+        v_scales: np.ndarray | None = None,
+        v_bias: np.ndarray | None = None,
+        *,
+        K: int,  # noqa: N803 - the ONNX attribute names
+        Nq: int,  # noqa: N803
+        Nkv: int,  # noqa: N803
+        bits: int = 4,
+        block_size: int,
+        epsilon: float = 1e-6,
+        accuracy_level: int = 0,  # lets ORT quantise A to int8; the reference is exact
+    ) -> tuple[np.ndarray, ...]:
+        del accuracy_level
+        for name, bias in (("q_bias", q_bias), ("k_bias", k_bias), ("v_bias", v_bias)):
+            if bias is not None:
+                raise _refuse("MatMulNBitsQkv", name)
+        if k_B is None or k_scales is None or v_B is None or v_scales is None:
+            raise ValueError(
+                "com.microsoft.MatMulNBitsQkv: k_B, k_scales, v_B, v_scales are required"
+            )
+        q, k, v, residual = matmul_nbits_qkv(
+            A,
+            skip,
+            norm_scale,
+            q_B,
+            q_scales,
+            k_B,
+            k_scales,
+            v_B,
+            v_scales,
+            K=int(K),
+            Nq=int(Nq),
+            Nkv=int(Nkv),
+            block_size=int(block_size),
+            bits=int(bits),
+            epsilon=float(epsilon),
+        )
+        if residual is None:
+            return q, k, v
+        return q, k, v, residual
+
+
+CUSTOM_OPS: tuple[type[OpRun], ...] = (
+    GroupedMatMul,
+    MoE,
+    QMoE,
+    MatMulNBits,
+    SimplifiedLayerNormalization,
+    SkipSimplifiedLayerNormalization,
+    MatMulNBitsQkv,
+)
 
 
 def reference_evaluator(
@@ -265,8 +537,10 @@ def run_reference(
 ) -> dict[str, np.ndarray]:
     """Run ``model`` on ``feeds`` on the reference path; returns ``{output name: array}``.
 
-    Standard ops run in ``onnx.reference``; ``GroupedMatMul``, ``com.microsoft.MoE`` and
-    ``com.microsoft.QMoE`` run in the project's numpy oracles. A model declaring opset 29 is run
+    Standard ops run in ``onnx.reference``; ``GroupedMatMul``, ``com.microsoft.MoE``,
+    ``com.microsoft.QMoE``, ``com.microsoft.MatMulNBits``, ``SimplifiedLayerNormalization``,
+    ``com.microsoft.SkipSimplifiedLayerNormalization`` and ``com.microsoft.MatMulNBitsQkv`` run
+    in the project's numpy code (see the module docstring). A model declaring opset 29 is run
     as it is (see the module docstring). ``outputs`` selects graph outputs (default: all).
     """
     ev = reference_evaluator(model, check_shapes=check_shapes)

@@ -12,18 +12,25 @@ Every sample is one MoE layer written in standard ONNX (ONNX text form, parsed w
 
 Use :func:`all_samples`, :func:`get_sample` or :func:`default_sample`; ``docs/samples.md`` lists
 them all. A GroupedMatMul sample and its decomposed twin (``Sample.twin``) hold the same weights.
+
+A second catalogue, :mod:`onnx_moe_fuse.samples.qkv`, holds attention preludes (an RMS norm
+feeding Q/K/V projections -> ``com.microsoft.MatMulNBitsQkv``): ``Sample.kind`` is ``"moe"`` or
+``"qkv"``. :func:`all_samples` and :func:`sample_names` take ``kind`` (``"moe"``, ``"qkv"`` or
+``"all"``); the default, :data:`DEFAULT_KIND`, is ``"moe"`` for now, because the MoE tests
+assert MoE-only facts of every sample they list. :func:`get_sample` finds a sample of either kind.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import onnx
 
 from ._layers import build_layer
 from .catalog import CATALOG, DEFAULT_SAMPLE, Entry
+from .qkv import QKV_CATALOG, QkvEntry, build_qkv
 
 __all__ = [
     "Sample",
@@ -31,8 +38,14 @@ __all__ = [
     "get_sample",
     "default_sample",
     "sample_names",
+    "DEFAULT_KIND",
     "DEFAULT_SAMPLE",
+    "SampleKind",
 ]
+
+SampleKind = Literal["moe", "qkv", "all"]
+#: What :func:`all_samples` / :func:`sample_names` list when no ``kind`` is given.
+DEFAULT_KIND: SampleKind = "moe"
 
 AttrValue = int | float | str
 
@@ -68,6 +81,9 @@ class Sample:
         kept_ops: ``(op_type, count)`` pairs the fused model must still hold exactly, e.g. the
             router MatMul and a shared expert's MatMuls.
         dim_values: a small value for each symbolic dim of the input (``T`` or ``B``, ``S``).
+        kind: ``"moe"`` (this module's catalogue) or ``"qkv"`` (:mod:`.qkv`: family ``qkv`` or
+            ``nearmiss_qkv_*``; spelling is the norm's, e.g. ``"SimplifiedLayerNormalization"``;
+            weights the projections', e.g. ``"MatMulNBits-int4-block32"``; ``opset`` 17, 21 or 23).
     """
 
     name: str
@@ -83,6 +99,7 @@ class Sample:
     expected_attributes: dict[str, AttrValue] = field(default_factory=dict)
     kept_ops: list[tuple[str, int]] = field(default_factory=list)
     dim_values: dict[str, int] = field(default_factory=dict)
+    kind: str = "moe"
 
     @property
     def is_near_miss(self) -> bool:
@@ -105,6 +122,7 @@ class Sample:
             "expected_attributes": self.expected_attributes,
             "kept_ops": [[op, count] for op, count in self.kept_ops],
             "dim_values": self.dim_values,
+            "kind": self.kind,
         }
 
 
@@ -137,23 +155,81 @@ def _make(entry: Entry) -> Sample:
     )
 
 
-def sample_names() -> list[str]:
-    """Names of every sample, in catalogue order."""
-    return list(CATALOG)
+_QKV_SPELLING = {
+    "decomposed": "decomposed RMS norm",
+    "decomposed_recip": "decomposed RMS norm",
+    "decomposed_cast": "decomposed RMS norm",
+    "add_decomposed": "Add + decomposed RMS norm",
+    "rms23": "RMSNormalization",
+    "sln": "SimplifiedLayerNormalization",
+    "add_sln": "Add + SimplifiedLayerNormalization",
+    "skip_sln": "SkipSimplifiedLayerNormalization",
+}
+_QKV_WEIGHTS = {
+    "nbits": "MatMulNBits-int4-block{b}",
+    "nbits_zp8": "MatMulNBits-int4-block{b}-zp8",
+    "nbits_asym": "MatMulNBits-uint4-asymmetric",
+    "nbits_bits8": "MatMulNBits-8bit-block{b}",
+    "dq_int4": "int4-block{b}",
+    "dq_uint4_zp8": "uint4-block{b}-zp8",
+}
+
+
+def _make_qkv(entry: QkvEntry) -> Sample:
+    spec = entry.spec
+    model = build_qkv(spec)
+    model.doc_string = entry.description
+    meta = {
+        "onnx_moe_fuse.sample": spec.name,
+        "onnx_moe_fuse.expected": json.dumps([[op, n] for op, n in entry.expected]),
+    }
+    if entry.near_miss_reason:
+        meta["onnx_moe_fuse.near_miss_reason"] = entry.near_miss_reason
+    onnx.helper.set_model_props(model, meta)
+    return Sample(
+        name=spec.name,
+        model=model,
+        description=entry.description,
+        expected=list(entry.expected),
+        near_miss_reason=entry.near_miss_reason,
+        family=entry.family,
+        spelling=_QKV_SPELLING[spec.norm],
+        weights=_QKV_WEIGHTS[spec.projection].format(b=spec.block_size),
+        opset=spec.opset,
+        expected_attributes=dict(entry.expected_attributes),
+        kept_ops=list(entry.kept_ops),
+        dim_values={"T": 5} if spec.rank == 2 else {"B": 2, "S": 3},
+        kind="qkv",
+    )
+
+
+def _names(kind: str) -> list[str]:
+    if kind not in ("moe", "qkv", "all"):
+        raise ValueError(f"kind must be 'moe', 'qkv' or 'all', got {kind!r}")
+    return [
+        *(CATALOG if kind in ("moe", "all") else ()),
+        *(QKV_CATALOG if kind in ("qkv", "all") else ()),
+    ]
+
+
+def sample_names(kind: SampleKind = DEFAULT_KIND) -> list[str]:
+    """Names of every sample of ``kind``, in catalogue order (MoE first for ``"all"``)."""
+    return _names(kind)
 
 
 def get_sample(name: str) -> Sample:
-    """Build the sample called ``name`` (a fresh model each call)."""
-    try:
-        entry = CATALOG[name]
-    except KeyError:
-        raise KeyError(f"no sample {name!r}; known: {', '.join(CATALOG)}") from None
-    return _make(entry)
+    """Build the sample called ``name``, of either kind (a fresh model each call)."""
+    if name in CATALOG:
+        return _make(CATALOG[name])
+    if name in QKV_CATALOG:
+        return _make_qkv(QKV_CATALOG[name])
+    known = ", ".join(_names("all"))
+    raise KeyError(f"no sample {name!r}; known: {known}")
 
 
-def all_samples() -> list[Sample]:
-    """Build every sample, in catalogue order."""
-    return [_make(entry) for entry in CATALOG.values()]
+def all_samples(kind: SampleKind = DEFAULT_KIND) -> list[Sample]:
+    """Build every sample of ``kind``, in catalogue order (MoE first for ``"all"``)."""
+    return [get_sample(name) for name in _names(kind)]
 
 
 def default_sample() -> Sample:
