@@ -18,8 +18,9 @@ Near misses come from a dry run of the same rules with a tracer
 (:class:`NearMissTracer`): every match whose ``check`` failed is recorded with the reason, and so
 is a whole-pattern match that the rewriter refused because an intermediate value escapes the layer
 (with the escaping value named). A TopK whose indices feed expert selections but that no rule
-matched at all is reported too, as "not recognised". Near misses of layers that did fuse in the
-end are dropped.
+matched at all is reported too, as "not recognised", saying which known unfused form it is when
+it can tell: a sort of the ids (grouped_mm exports) or a one-hot mask (a loop over experts).
+Near misses of layers that did fuse in the end are dropped.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ REQUIRED_ATTRIBUTES: dict[str, frozenset[str]] = {
 REQUIRED_ATTRIBUTES["QMoE"] = REQUIRED_ATTRIBUTES["MoE"] | {"expert_weight_bits", "block_size"}
 
 _RULE_PREFIXES = tuple(cls.__name__ for cls in RULE_CLASSES)
+_RULE_NAME_TAG = "pkg.onnxscript.rewriter.rule_name"
 
 # onnxscript's matcher refuses a whole-pattern match whose nodes feed values outside the pattern
 # with this reason (onnxscript/rewriter/_matcher.py); the tracer turns it into a named escape.
@@ -188,6 +190,17 @@ class NearMissTracer(pattern.MatchingTracer):
         self.attempts.append(_Attempt(str(rule), node, reason, topk, router, names))
 
 
+def _rule_name(node: ir.Node) -> str | None:
+    """The layer rule that emitted ``node``.
+
+    onnxscript tags a replacement node with the rule's name, then appends (", ") the tags the
+    replaced nodes carried: an exporter that ran onnxscript rules itself (torch.onnx runs
+    ``MaterializeReshapeShape``) leaves e.g. ``"FusedSwiGLUMoELayer[...], MaterializeReshapeShape"``.
+    """
+    tag = node.metadata_props.get(_RULE_NAME_TAG, "")
+    return next((r for r in tag.split(", ") if r.startswith(_RULE_PREFIXES)), None)
+
+
 def _fused_nodes(graph: ir.Graph) -> list[ir.Node]:
     return [n for n in graph if n.domain == MS_DOMAIN and REPLACED_KEY in n.metadata_props]
 
@@ -202,19 +215,66 @@ def _attr_value(attr: ir.Attr) -> Any:
     return v
 
 
-def _selects_experts(topk: ir.Node) -> bool:
-    if len(topk.outputs) < 2:
+_SHAPE_ONLY = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast")
+_GENERIC_UNRECOGNISED = (
+    "not recognised: the indices of this TopK select experts, but no MoE layer rule matched the "
+    "layer around it (its routing, expert, activation or combine spelling is not one the rules "
+    "know)"
+)
+_SORTED_UNRECOGNISED = (
+    "not recognised: the expert ids of this TopK are sorted (a TopK over the flattened ids, i.e. "
+    "an argsort) so that each expert's rows are computed as a group of their own, the sorted "
+    "per-expert form of grouped_mm exports; no rule takes that spelling, so the layer is left "
+    "as it is"
+)
+_ONE_HOT_UNRECOGNISED = (
+    "not recognised: the experts are chosen by a one-hot mask of this TopK's indices, a loop "
+    "over the experts (such as a traced eager loop with NonZero per expert); no rule takes that "
+    "spelling, and a trace of a data-dependent loop may hold only the experts its example input "
+    "hit, so the layer is left as it is"
+)
+
+
+def _sorts_expert_ids(topk: ir.Node) -> bool:
+    """True for a TopK that sorts another TopK's indices ascending (an argsort, not a router)."""
+    attr = topk.attributes.get("largest")
+    if attr is None or attr.value != 0:
         return False
-    todo, seen = [topk.outputs[1]], 0
+    v = topk.inputs[0] if topk.inputs else None
+    for _ in range(8):
+        node = v.producer() if v is not None else None
+        if node is None:
+            return False
+        if node.op_type == "TopK":
+            return v.index() == 1
+        if node.op_type not in _SHAPE_ONLY:
+            return False
+        v = node.inputs[0]
+    return False
+
+
+def _unrecognised_reason(topk: ir.Node) -> str | None:
+    """Why a TopK whose indices select experts matched no rule (None: they select nothing)."""
+    if len(topk.outputs) < 2 or _sorts_expert_ids(topk):
+        return None
+    todo, seen, uses = [topk.outputs[1]], 0, set()
     while todo and seen < 8:
         v = todo.pop()
         seen += 1
         for user, _ in v.uses():
-            if user.op_type in ("Gather", "GroupedMatMul", "GatherND", "GatherElements"):
-                return True
-            if user.op_type in ("Reshape", "Unsqueeze", "Flatten", "Cast"):
+            if user.op_type in _SHAPE_ONLY:
                 todo.extend(user.outputs)
-    return False
+            elif user.op_type == "TopK" and _sorts_expert_ids(user):
+                uses.add("argsort")
+            else:
+                uses.add(user.op_type)
+    if "argsort" in uses:
+        return _SORTED_UNRECOGNISED
+    if "OneHot" in uses:
+        return _ONE_HOT_UNRECOGNISED
+    if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:
+        return _GENERIC_UNRECOGNISED
+    return None
 
 
 class FuseMoELayersPass(ir.passes.InPlacePass):
@@ -251,7 +311,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 {
                     "op": node.op_type,
                     "name": node.name,
-                    "rule": node.metadata_props.get("pkg.onnxscript.rewriter.rule_name"),
+                    "rule": _rule_name(node),
                     "replaced": replaced,
                     "attributes": {k: _attr_value(a) for k, a in node.attributes.items()},
                 }
@@ -279,16 +339,17 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 }
             )
         for node in model.graph:
-            if node.op_type == "TopK" and id(node) not in explained and _selects_experts(node):
+            if node.op_type != "TopK" or id(node) in explained:
+                continue
+            reason = _unrecognised_reason(node)
+            if reason is not None:
                 self.report.near_misses.append(
                     {
                         "rule": None,
                         "root": None,
                         "topk": _label(node),
                         "router": _label(node.inputs[0].producer() if node.inputs[0] else None),
-                        "reason": "not recognised: the indices of this TopK select experts, but "
-                        "no MoE layer rule matched the layer around it (its routing, expert, "
-                        "activation or combine spelling is not one the rules know)",
+                        "reason": reason,
                         "values": [],
                     }
                 )
@@ -400,8 +461,7 @@ class FusedNodesCheckPass(ir.passes.InPlacePass):
                         f"fused node {_label(node)} still carries the {REPLACED_KEY} marker"
                     )
                 required = REQUIRED_ATTRIBUTES.get(node.op_type)
-                rule = node.metadata_props.get("pkg.onnxscript.rewriter.rule_name", "")
-                if node.domain == MS_DOMAIN and required and rule.startswith(_RULE_PREFIXES):
+                if node.domain == MS_DOMAIN and required and _rule_name(node):
                     missing = required - set(node.attributes)
                     if missing:
                         raise ir.passes.PostconditionError(

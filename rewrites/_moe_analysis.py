@@ -23,6 +23,11 @@ Steps, in order (the first failing one gives the reason):
 6. target: MoE for float weights, QMoE for quantized ones (renormalised routing, relu or SwiGLU
    only), within the requested ops;
 7. escapes: the router probabilities and the dequantized weights are used by the layer only.
+
+Steps 1 to 3 and the projections' spellings are per layer form: this module proves the per-slot
+form (projections ``[*, k, N]``, :func:`analyse_layer`); :mod:`._moe_rows_analysis` proves the
+flattened-rows form of torch.onnx ``batched_mm`` exports with the same routing, weight and bias
+steps. Both hand the proved parts to :func:`finish_layer` (sizes, activation, target, escapes).
 """
 
 from __future__ import annotations
@@ -55,7 +60,23 @@ from ._graph_facts import (
     value_label,
 )
 
-__all__ = ["ExpertWeights", "LayerPlan", "analyse_layer", "QMOE_ACTIVATIONS", "Refusal"]
+__all__ = [
+    "ExpertWeights",
+    "FC1_PROJECTIONS",
+    "LayerPlan",
+    "QMOE_ACTIVATIONS",
+    "Refusal",
+    "Routing",
+    "WEIGHT_LAYOUTS",
+    "analyse_layer",
+    "bound_node",
+    "expert_bias",
+    "expert_weights",
+    "finish_layer",
+    "refuse",
+    "routing_form",
+    "with_bias",
+]
 
 #: Activations this project's QMoE kernels take (the issue: "ReLU or SwiGLU").
 QMOE_ACTIVATIONS = frozenset({"relu", "swiglu"})
@@ -165,11 +186,13 @@ class LayerPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fail(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
+def refuse(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
+    """A :class:`Refusal` with ``reason``, naming the nodes/values given (None ones skipped)."""
     return Refusal(reason, *[s for s in sources if s is not None])
 
 
-def _node_of(b: Mapping[str, Any], name: str) -> ir.Node | None:
+def bound_node(b: Mapping[str, Any], name: str) -> ir.Node | None:
+    """The producer of the value bound to ``name``, or None."""
     v = b.get(name)
     return v.producer() if isinstance(v, ir.Value) else None
 
@@ -191,19 +214,19 @@ def _token_rank(b: Mapping[str, Any]) -> int:
         r = None
     if r is None:
         # the combine's non-negative ReduceSum axis names the k axis, r - 1
-        root = _node_of(b, "layer_out")
+        root = bound_node(b, "layer_out")
         if root is not None and root.op_type == "ReduceSum":
             axes = node_axes(root)
             if axes and len(axes) == 1 and axes[0] >= 0:
                 r = axes[0] + 1
     if r is None:
-        raise _fail(
+        raise refuse(
             f"cannot tell the rank of the tokens '{value_label(tokens)}' (no declared shape and "
             "no constant that fixes it)",
             tokens,
         )
     if r not in (2, 3):
-        raise _fail(
+        raise refuse(
             f"the tokens '{value_label(tokens)}' have rank {r}; MoE/QMoE take [tokens, H] or "
             "[batch, seq, H]",
             tokens,
@@ -215,7 +238,9 @@ def _token_rank(b: Mapping[str, Any]) -> int:
 
 
 @dataclass(frozen=True)
-class _Routing:
+class Routing:
+    """The proved routing: the TopK, k, what MoE/QMoE read as router_probs, the normalisation."""
+
     topk: ir.Node
     k: int
     router_probs: ir.Value
@@ -223,40 +248,41 @@ class _Routing:
     internal_scores: ir.Node | None  # the Softmax that becomes part of the fused node
 
 
-def _routing(b: Mapping[str, Any], r: int, opset: int) -> _Routing:
+def routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
+    """Step 2: the routing TopK over the experts of rank-``r`` scores and its weight form."""
     topk_values: ir.Value = b["topk_values"]
     topk = topk_values.producer()
     assert topk is not None
     if topk.outputs[1] is not b.get("topk_indices"):
-        raise _fail("the routing TopK's indices are not bound", topk)
+        raise refuse("the routing TopK's indices are not bound", topk)
     if not _is_last_axis(attr_int(topk, "axis", -1), r):
-        raise _fail(
+        raise refuse(
             f"TopK '{label(topk)}' selects along axis {attr_int(topk, 'axis', -1)}, not over the "
             "experts (last axis)",
             topk,
         )
     if attr_int(topk, "largest", 1) != 1:
-        raise _fail(f"TopK '{label(topk)}' takes the smallest values (largest=0)", topk)
+        raise refuse(f"TopK '{label(topk)}' takes the smallest values (largest=0)", topk)
     k_values = const_ints(b.get("topk_k"))
     if not k_values or len(k_values) != 1 or k_values[0] < 1:
-        raise _fail(f"TopK '{label(topk)}' has no constant k >= 1", topk)
+        raise refuse(f"TopK '{label(topk)}' has no constant k >= 1", topk)
     k = k_values[0]
 
     scores: ir.Value = b["router_scores"]
     producer = scores.producer()
     form = b.get("weight_form")
     if form == "softmax_k":
-        sm = _node_of(b, "routing_weights")
+        sm = bound_node(b, "routing_weights")
         if sm is None or not _is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
-            raise _fail(
+            raise refuse(
                 f"the Softmax over the top-k values '{label(sm)}' is not over the k axis", sm
             )
         # Softmax over the k selected scores == MoE/QMoE's top-k of router_probs with the k
         # weights renormalised, whatever produced the scores.
-        return _Routing(topk, k, scores, 1, None)
+        return Routing(topk, k, scores, 1, None)
 
     if producer is not None and producer.op_type == "Sigmoid":
-        raise _fail(
+        raise refuse(
             f"sigmoid routing: the top-k scores come from Sigmoid '{label(producer)}', not Softmax; "
             "MoE and QMoE softmax the router logits and cannot express sigmoid scores (that "
             "needs router_weights)",
@@ -264,14 +290,14 @@ def _routing(b: Mapping[str, Any], r: int, opset: int) -> _Routing:
         )
     if producer is None or producer.op_type != "Softmax":
         what = "a graph input" if producer is None else f"{producer.op_type} '{label(producer)}'"
-        raise _fail(
+        raise refuse(
             f"the top-k weights are not softmax probabilities: TopK '{label(topk)}' reads "
             f"'{value_label(scores)}' ({what}) and its values are combined "
             + ("after renormalising" if form != "as_is" else "as they are"),
             topk,
         )
     if not _is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
-        raise _fail(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
+        raise refuse(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
     if scores.is_graph_output() or any(user is not topk for user, _ in scores.uses()):
         where = (
             "a graph output"
@@ -281,7 +307,7 @@ def _routing(b: Mapping[str, Any], r: int, opset: int) -> _Routing:
                 sorted({f"{u.op_type} '{label(u)}'" for u, _ in scores.uses() if u is not topk})
             )
         )
-        raise _fail(
+        raise refuse(
             f"the router probabilities '{value_label(scores)}' escape the layer: they are also "
             f"{where}",
             scores,
@@ -289,20 +315,20 @@ def _routing(b: Mapping[str, Any], r: int, opset: int) -> _Routing:
     logits = producer.inputs[0]
     assert logits is not None
     if form in ("renorm_div", "renorm_reciprocal"):
-        s = _node_of(b, "renorm_sum")
+        s = bound_node(b, "renorm_sum")
         if s is None:
-            raise _fail("the renormalising ReduceSum is missing", topk)
+            raise refuse("the renormalising ReduceSum is missing", topk)
         axes = node_axes(s)
         if axes is None or len(axes) != 1 or not _is_last_axis(axes[0], r):
-            raise _fail(
+            raise refuse(
                 f"ReduceSum '{label(s)}' does not sum the k routing weights (axes {axes})", s
             )
         if attr_int(s, "keepdims", 1) != 1:
-            raise _fail(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
-        return _Routing(topk, k, logits, 1, producer)
+            raise refuse(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
+        return Routing(topk, k, logits, 1, producer)
     if form == "as_is":
-        return _Routing(topk, k, logits, 0, producer)
-    raise _fail(f"unknown routing form {form!r}", topk)
+        return Routing(topk, k, logits, 0, producer)
+    raise refuse(f"unknown routing form {form!r}", topk)
 
 
 # -- 3. combine --------------------------------------------------------------------------------
@@ -312,28 +338,28 @@ def _combine(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.Node
     out: ir.Value = b["layer_out"]
     root = out.producer()
     assert root is not None
-    unsq = _node_of(b, "routing_weights_unsq")
+    unsq = bound_node(b, "routing_weights_unsq")
     assert unsq is not None
     if combine == "reduce_sum":
         axes = node_axes(unsq)
         if axes is None or normalize_axes(axes, r + 1) != [r]:
-            raise _fail(
+            raise refuse(
                 f"Unsqueeze '{label(unsq)}' does not add a trailing axis to the routing weights "
                 f"(axes {axes})",
                 unsq,
             )
         axes = node_axes(root)
         if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
-            raise _fail(
+            raise refuse(
                 f"ReduceSum '{label(root)}' does not sum over the k axis (axes {axes})", root
             )
         if attr_int(root, "keepdims", 1) != 0:
-            raise _fail(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
+            raise refuse(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
         return root
     # MatMul combine: Unsqueeze(w, k-1 axis) [*, 1, k] @ expert_out [*, k, H] -> [*, 1, H]
     axes = node_axes(unsq)
     if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
-        raise _fail(
+        raise refuse(
             f"Unsqueeze '{label(unsq)}' does not make the routing weights a row vector per token "
             f"(axes {axes})",
             unsq,
@@ -341,14 +367,14 @@ def _combine(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.Node
     if root.op_type == "Squeeze":
         axes = node_axes(root)
         if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
-            raise _fail(f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root)
+            raise refuse(f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root)
         return root
     shape = const_ints(root.inputs[1])
     lead = [Dim.sym(f"L{i}") for i in range(r - 1)]
     h = Dim.of(hidden)
     got = None if shape is None else reshape_dims([*lead, Dim.of(1), h], shape)
     if got != [*lead, h]:
-        raise _fail(
+        raise refuse(
             f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine",
             root,
         )
@@ -358,11 +384,24 @@ def _combine(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.Node
 # -- 4. experts --------------------------------------------------------------------------------
 
 
-def _weights(role: str, w: ir.Value | None) -> ExpertWeights:
+#: Stacked expert weight layouts: ``"kn"`` is ``[E, K, N]`` (GroupedMatMul, Gather + MatMul with
+#: the rows on the left), ``"nk"`` is ``[E, N, K]`` (output-major, as MoE/QMoE store them and as
+#: torch's ``bmm(W[ids], x[..., None])`` reads them).
+WEIGHT_LAYOUTS = ("kn", "nk")
+
+
+def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertWeights:
+    """Prove ``w`` constant stacked expert weights in ``layout``; return them K-major.
+
+    Float weights must be an initializer or a Constant; quantized ones a standard
+    ``DequantizeLinear`` of constants (see :func:`_dequantized`). Whatever ``layout`` the source
+    uses, the result is in GroupedMatMul's ``[E, K, N]`` (an ``"nk"`` source is transposed).
+    """
+    assert layout in WEIGHT_LAYOUTS
     if w is None:
-        raise _fail(f"{role} expert weights are missing")
+        raise refuse(f"{role} expert weights are missing")
     if w.is_graph_input():
-        raise _fail(
+        raise refuse(
             f"{role} expert weights not constant: '{value_label(w)}' is a graph input, so they "
             "cannot be repacked into the fused layout at fusion time",
             w,
@@ -370,34 +409,44 @@ def _weights(role: str, w: ir.Value | None) -> ExpertWeights:
     arr = const_array(w)
     if arr is not None:
         if arr.ndim != 3:
-            raise _fail(f"{role} expert weights '{value_label(w)}' are not [E, K, N]", w)
+            raise refuse(
+                f"{role} expert weights '{value_label(w)}' are not [E, {', '.join(layout.upper())}]",
+                w,
+            )
         dtype = ir.DataType.from_numpy(arr.dtype)
         if dtype not in _FLOAT_TYPES:
-            raise _fail(
+            raise refuse(
                 f"{role} expert weights '{value_label(w)}' have type {dtype.name}; MoE takes "
                 "float32/float16",
                 w,
             )
+        if layout == "nk":
+            arr = arr.transpose(0, 2, 1)
         return ExpertWeights(role, w, tuple(arr.shape), dtype, array=arr)  # type: ignore[arg-type]
     node = w.producer()
     if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
         what = "a graph input" if node is None else f"computed by {node.op_type} '{label(node)}'"
-        raise _fail(
+        raise refuse(
             f"{role} expert weights not constant: '{value_label(w)}' is {what}, so they cannot "
             "be repacked into the fused layout at fusion time",
             w,
         )
-    return _dequantized(role, w, node)
+    return _dequantized(role, w, node, layout)
 
 
-def _dequantized(role: str, w: ir.Value, dq: ir.Node) -> ExpertWeights:
+def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeights:
+    """Quantized weights ``DequantizeLinear(q, scale, zero_point?)``, K-major codes and scales.
+
+    An ``"nk"`` source (``q`` ``[E, N, K]``) is read as its K-major transpose: ``q`` and 3-D
+    scales swap their last two axes and the DequantizeLinear axis 1 / 2 is read as 2 / 1.
+    """
     x_v = dq.inputs[0]
     s_v = dq.inputs[1] if len(dq.inputs) > 1 else None
     z_v = dq.inputs[2] if len(dq.inputs) > 2 else None
     q, s = const_array(x_v), const_array(s_v)
     z = const_array(z_v) if z_v is not None else None
     if q is None or s is None or (z_v is not None and z is None):
-        raise _fail(
+        raise refuse(
             f"{role} quantized weights not constant: an input of DequantizeLinear '{label(dq)}' "
             "is not an initializer",
             dq,
@@ -406,53 +455,61 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node) -> ExpertWeights:
     if qtype is None:
         qtype = ir.DataType.from_numpy(q.dtype)
     if qtype not in _QUANT_TYPES:
-        raise _fail(
+        raise refuse(
             f"{role} weights are {qtype.name} behind DequantizeLinear '{label(dq)}'; QMoE takes "
             "int4/uint4/int8/uint8",
             dq,
         )
     bits, signed = _QUANT_TYPES[qtype]
+    dims = ", ".join(layout.upper())
     if q.ndim != 3:
-        raise _fail(f"{role} quantized weights of '{label(dq)}' are not [E, K, N]", dq)
+        raise refuse(f"{role} quantized weights of '{label(dq)}' are not [E, {dims}]", dq)
+    axis = attr_int(dq, "axis", 1)
+    assert axis is not None
+    if not -3 <= axis < 3:
+        raise refuse(f"DequantizeLinear '{label(dq)}' has axis {axis} on rank-3 weights", dq)
+    ax = axis % 3  # from here on, in K-major terms: 0 experts, 1 K, 2 N
+    if layout == "nk":
+        q = q.transpose(0, 2, 1)
+        s = s.transpose(0, 2, 1) if s.ndim == 3 else s
+        ax = (0, 2, 1)[ax]
     e, kk, n = q.shape
     out_dtype = attr_int(dq, "output_dtype", 0) or 0
     dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(s.dtype)
     if dtype not in _FLOAT_TYPES or ir.DataType.from_numpy(s.dtype) != dtype:
-        raise _fail(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
-    axis = attr_int(dq, "axis", 1)
+        raise refuse(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
     block = attr_int(dq, "block_size", 0) or 0
     if block:
-        if axis not in (1, -2):
-            raise _fail(
+        if ax != 1:
+            raise refuse(
                 f"{role} weights are blocked along axis {axis} by '{label(dq)}'; QMoE blocks "
-                "along the reduction axis K (axis 1 of [E, K, N])",
+                f"along the reduction axis K (axis {1 if layout == 'kn' else 2} of [E, {dims}])",
                 dq,
             )
         if s.shape != (e, -(-kk // block), n):
-            raise _fail(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+            raise refuse(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
         scales = s
         if kk % block:
             if block < kk:
-                raise _fail(
+                raise refuse(
                     f"{role} block size {block} does not divide K = {kk} ('{label(dq)}')", dq
                 )
             block = 0  # one partial block over K: one scale per expert and output channel
     elif s.ndim == 0 or s.size == 1:
         scales = np.broadcast_to(s.reshape(1, 1, 1), (e, 1, n))
     elif s.ndim == 1:
-        ax = axis + 3 if axis < 0 else axis
         if ax == 2 and s.shape == (n,):
             scales = np.broadcast_to(s.reshape(1, 1, n), (e, 1, n))
         elif ax == 0 and s.shape == (e,):
             scales = np.broadcast_to(s.reshape(e, 1, 1), (e, 1, n))
         else:
-            raise _fail(
+            raise refuse(
                 f"{role} weights have one scale per input channel (axis {axis}) in "
                 f"'{label(dq)}'; QMoE scales are per output channel or blocked along K",
                 dq,
             )
     else:
-        raise _fail(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+        raise refuse(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
     sym = 0 if signed else 1 << (bits - 1)
     if z is None:
         zp_ok = signed
@@ -463,7 +520,7 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node) -> ExpertWeights:
         bad = bad[bad != sym]
         zp_text = f"e.g. {int(bad.reshape(-1)[0])}" if bad.size else str(sym)
     if not zp_ok:
-        raise _fail(
+        raise refuse(
             f"asymmetric zero point: {role} weights ({qtype.name}, DequantizeLinear "
             f"'{label(dq)}') have zero points {zp_text}, not the symmetric {sym}; the QMoE "
             "kernels take symmetric weights only",
@@ -483,18 +540,21 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node) -> ExpertWeights:
     )
 
 
-def _bias(role: str, bv: ir.Value | None, e: int, n: int, dtype: ir.DataType) -> np.ndarray | None:
+def expert_bias(
+    role: str, bv: ir.Value | None, e: int, n: int, dtype: ir.DataType
+) -> np.ndarray | None:
+    """The constant per-expert bias ``[E, N]`` bound to ``bv`` (None when absent)."""
     if bv is None:
         return None
     arr = const_array(bv)
     if arr is None:
-        raise _fail(f"{role} expert bias '{value_label(bv)}' is not constant", bv)
+        raise refuse(f"{role} expert bias '{value_label(bv)}' is not constant", bv)
     if arr.shape != (e, n):
-        raise _fail(
+        raise refuse(
             f"{role} expert bias '{value_label(bv)}' has shape {arr.shape}, not {(e, n)}", bv
         )
     if ir.DataType.from_numpy(arr.dtype) != dtype:
-        raise _fail(f"{role} expert bias '{value_label(bv)}' has type {arr.dtype}", bv)
+        raise refuse(f"{role} expert bias '{value_label(bv)}' has type {arr.dtype}", bv)
     return arr
 
 
@@ -504,22 +564,24 @@ def _expert(
     """Prove one projection ``[*, k, N]`` of the selected experts; return its weights."""
     idx = b.get(f"{tag}_indices")
     if idx is not topk_idx:
-        raise _fail(
+        raise refuse(
             f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
             f"'{value_label(topk_idx)}'",
             idx,
         )
-    ew = _weights(role, b.get(f"{tag}_weight"))
+    ew = expert_weights(role, b.get(f"{tag}_weight"))
     e, kk, n = ew.shape
     lead = [Dim.sym(f"L{i}") for i in range(r - 1)]
     kd = Dim.of(k)
-    gmm = _node_of(b, f"{tag}_gmm")
+    gmm = bound_node(b, f"{tag}_gmm")
     if gmm is not None:
         if not per_slot:
             if r != 2:
-                raise _fail(f"{role}: GroupedMatMul takes rank-2 tokens [M, K]", gmm)
+                raise refuse(f"{role}: GroupedMatMul takes rank-2 tokens [M, K]", gmm)
         else:
-            rows, ridx, unflat = (_node_of(b, f"{tag}_{s}") for s in ("rows", "row_idx", "unflat"))
+            rows, ridx, unflat = (
+                bound_node(b, f"{tag}_{s}") for s in ("rows", "row_idx", "unflat")
+            )
             assert rows is not None and ridx is not None and unflat is not None
             checks = [
                 (rows, [*lead, kd, Dim.of(kk)], [product(lead) * kd, Dim.of(kk)]),
@@ -532,53 +594,53 @@ def _expert(
                 if shape is not None:
                     got = reshape_dims(dims_in, shape, attr_int(node, "allowzero", 0) or 0)
                 if got != want:
-                    raise _fail(
+                    raise refuse(
                         f"{role}: Reshape '{label(node)}' (shape {shape}) does not flatten or "
                         "restore the (token, slot) rows consistently",
                         node,
                     )
-        bias = _bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
-        return _with_bias(ew, bias)
+        bias = expert_bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
+        return with_bias(ew, bias)
 
-    gather = _node_of(b, f"{tag}_gather")
-    mm = _node_of(b, f"{tag}_matmul")
-    lhs_unsq = _node_of(b, f"{tag}_lhs_unsq")
-    drop = _node_of(b, f"{tag}_drop")
+    gather = bound_node(b, f"{tag}_gather")
+    mm = bound_node(b, f"{tag}_matmul")
+    lhs_unsq = bound_node(b, f"{tag}_lhs_unsq")
+    drop = bound_node(b, f"{tag}_drop")
     assert gather is not None and mm is not None and lhs_unsq is not None and drop is not None
     if attr_int(gather, "axis", 0) != 0:
-        raise _fail(
+        raise refuse(
             f"{role}: Gather '{label(gather)}' does not select along the expert axis", gather
         )
     axes = node_axes(lhs_unsq)
     if per_slot:
         # [*, k, K] -> [*, k, 1, K]
         if axes is None or normalize_axes(axes, r + 2) != [r]:
-            raise _fail(
+            raise refuse(
                 f"{role}: Unsqueeze '{label(lhs_unsq)}' does not add the row axis (axes {axes})",
                 lhs_unsq,
             )
-        if _node_of(b, f"{tag}_expand") is not None:
-            raise _fail(f"{role}: unexpected Expand of the per-slot inputs", mm)
+        if bound_node(b, f"{tag}_expand") is not None:
+            raise refuse(f"{role}: unexpected Expand of the per-slot inputs", mm)
     else:
         # [*, K] -> [*, 1, 1, K] (-> Expand [*, k, 1, K])
         if axes is None or sorted(normalize_axes(axes, r + 2) or []) != [r - 1, r]:
-            raise _fail(
+            raise refuse(
                 f"{role}: Unsqueeze '{label(lhs_unsq)}' does not add the slot and row axes "
                 f"(axes {axes})",
                 lhs_unsq,
             )
-        expand = _node_of(b, f"{tag}_expand")
+        expand = bound_node(b, f"{tag}_expand")
         if expand is not None:
             shape = const_ints(expand.inputs[1])
             if shape is None or len(shape) > r + 2:
-                raise _fail(
+                raise refuse(
                     f"{role}: Expand '{label(expand)}' has no usable constant shape", expand
                 )
             padded = [1] * (r + 2 - len(shape)) + shape
             ok = all(v == 1 for v in padded[: r - 1]) and padded[r - 1] in (1, k)
             ok = ok and padded[r] == 1 and padded[r + 1] in (1, kk)
             if not ok:
-                raise _fail(
+                raise refuse(
                     f"{role}: Expand '{label(expand)}' (shape {shape}) does not just repeat each "
                     "token over the k slots",
                     expand,
@@ -586,7 +648,7 @@ def _expert(
     if drop.op_type == "Squeeze":
         axes = node_axes(drop)
         if axes is None or normalize_axes(axes, r + 2) != [r]:
-            raise _fail(f"{role}: Squeeze '{label(drop)}' does not drop the row axis", drop)
+            raise refuse(f"{role}: Squeeze '{label(drop)}' does not drop the row axis", drop)
     else:
         shape = const_ints(drop.inputs[1])
         got = None
@@ -595,24 +657,25 @@ def _expert(
                 [*lead, kd, Dim.of(1), Dim.of(n)], shape, attr_int(drop, "allowzero", 0) or 0
             )
         if got != [*lead, kd, Dim.of(n)]:
-            raise _fail(
+            raise refuse(
                 f"{role}: Reshape '{label(drop)}' (shape {shape}) does not just drop the row axis",
                 drop,
             )
     bias = None
-    bg = _node_of(b, f"{tag}_bias_gather")
+    bg = bound_node(b, f"{tag}_bias_gather")
     if bg is not None:
         if attr_int(bg, "axis", 0) != 0:
-            raise _fail(
+            raise refuse(
                 f"{role}: bias Gather '{label(bg)}' does not select along the expert axis", bg
             )
         if b.get(f"{tag}_bias_indices") is not topk_idx:
-            raise _fail(f"{role}: the bias is selected with other indices than the weights", bg)
-        bias = _bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
-    return _with_bias(ew, bias)
+            raise refuse(f"{role}: the bias is selected with other indices than the weights", bg)
+        bias = expert_bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
+    return with_bias(ew, bias)
 
 
-def _with_bias(ew: ExpertWeights, bias: np.ndarray | None) -> ExpertWeights:
+def with_bias(ew: ExpertWeights, bias: np.ndarray | None) -> ExpertWeights:
+    """``ew`` with its proved bias attached."""
     if bias is None:
         return ew
     return ExpertWeights(
@@ -646,7 +709,7 @@ def _elementwise_activation(b: Mapping[str, Any]) -> str:
     if tag == "swish":
         alpha = attr_float(node, "alpha", 1.0) if node is not None else None
         if alpha != 1.0:
-            raise _fail(f"Swish '{label(node)}' has alpha {alpha}; MoE's silu has alpha 1", node)
+            raise refuse(f"Swish '{label(node)}' has alpha {alpha}; MoE's silu has alpha 1", node)
         return "silu"
     if tag == "fast_gelu":
         return "gelu"
@@ -655,27 +718,30 @@ def _elementwise_activation(b: Mapping[str, Any]) -> str:
         approx = attr_str(node, "approximate", "none")
         if approx == "tanh":
             return "gelu"
-        raise _fail(
+        raise refuse(
             f"exact GELU: Gelu '{label(node)}' computes the erf form (approximate='{approx}'); "
             "ORT's MoE 'gelu' is the tanh approximation, 1e-4 to 3e-4 apart, so fusing would "
             "change the numbers",
             node,
         )
     if tag in ("erf_gelu", "ms_gelu"):
-        raise _fail(
+        raise refuse(
             f"exact GELU: the activation '{value_label(act)}' is the erf form of GELU "
             "(x * 0.5 * (1 + Erf(x / sqrt 2))); ORT's MoE 'gelu' is the tanh approximation, so "
             "fusing would change the numbers",
             node,
         )
-    raise _fail(f"unknown activation form {tag!r}", node)
+    raise refuse(f"unknown activation form {tag!r}", node)
 
 
-def _columns(src: ir.Value, fc1_out: ir.Value, n1: int, r: int, role: str) -> np.ndarray:
-    """Which FC1 output columns the gate / linear operand ``src`` selects."""
+def _columns(src: ir.Value, fc1_out: ir.Value, n1: int, last: int, role: str) -> np.ndarray:
+    """Which FC1 output columns the gate / linear operand ``src`` selects.
+
+    ``last`` is FC1's feature axis (its output has rank ``last + 1``).
+    """
     node = src.producer()
     if node is None or node.inputs[0] is not fc1_out:
-        raise _fail(f"SwiGLU {role} operand '{value_label(src)}' is not a slice of FC1", src)
+        raise refuse(f"SwiGLU {role} operand '{value_label(src)}' is not a slice of FC1", src)
     if node.op_type == "Slice":
         starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
         axes_v = node.inputs[3] if len(node.inputs) > 3 else None
@@ -688,36 +754,36 @@ def _columns(src: ir.Value, fc1_out: ir.Value, n1: int, r: int, role: str) -> np
         if None in (starts, ends, axes, steps) or not (
             len(starts) == len(ends) == len(axes) == len(steps) == 1  # type: ignore[arg-type]
         ):
-            raise _fail(
+            raise refuse(
                 f"SwiGLU {role}: Slice '{label(node)}' is not a constant one-axis slice", node
             )
-        if normalize_axes(axes, r + 1) != [r]:  # type: ignore[arg-type]
-            raise _fail(f"SwiGLU {role}: Slice '{label(node)}' does not cut the last axis", node)
+        if normalize_axes(axes, last + 1) != [last]:  # type: ignore[arg-type]
+            raise refuse(f"SwiGLU {role}: Slice '{label(node)}' does not cut the last axis", node)
         if steps[0] <= 0:  # type: ignore[index]
-            raise _fail(f"SwiGLU {role}: Slice '{label(node)}' has a non-positive step", node)
+            raise refuse(f"SwiGLU {role}: Slice '{label(node)}' has a non-positive step", node)
         return np.arange(n1)[slice(starts[0], ends[0], steps[0])]  # type: ignore[index]
     if node.op_type == "Split":
         axis = attr_int(node, "axis", 0)
-        if normalize_axes([axis or 0], r + 1) != [r]:
-            raise _fail(f"SwiGLU {role}: Split '{label(node)}' does not cut the last axis", node)
+        if normalize_axes([axis or 0], last + 1) != [last]:
+            raise refuse(f"SwiGLU {role}: Split '{label(node)}' does not cut the last axis", node)
         parts = len(node.outputs)
         split_v = node.inputs[1] if len(node.inputs) > 1 else None
         if split_v is not None:
             sizes = const_ints(split_v)
             if sizes is None or sum(sizes) != n1:
-                raise _fail(f"SwiGLU {role}: Split '{label(node)}' sizes are not constant", node)
+                raise refuse(f"SwiGLU {role}: Split '{label(node)}' sizes are not constant", node)
         else:
             split_attr = node.attributes.get("split")
             if split_attr is not None:
                 sizes = [int(v) for v in split_attr.value]
             else:
                 if n1 % parts:
-                    raise _fail(f"SwiGLU {role}: Split '{label(node)}' is uneven", node)
+                    raise refuse(f"SwiGLU {role}: Split '{label(node)}' is uneven", node)
                 sizes = [n1 // parts] * parts
         which = src.index()
         start = sum(sizes[:which])
         return np.arange(start, start + sizes[which])
-    raise _fail(f"SwiGLU {role} operand comes from {node.op_type} '{label(node)}'", node)
+    raise refuse(f"SwiGLU {role} operand comes from {node.op_type} '{label(node)}'", node)
 
 
 def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None]:
@@ -727,7 +793,7 @@ def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None]:
         lo = None if lo_v is None else const_float(lo_v)
         hi = None if hi_v is None else const_float(hi_v)
         if (lo_v is not None and lo is None) or (hi_v is not None and hi is None):
-            raise _fail(f"Clip '{label(clip)}' has bounds that are not constant", clip)
+            raise refuse(f"Clip '{label(clip)}' has bounds that are not constant", clip)
     else:  # opset < 11: attributes
         lo, hi = attr_float(clip, "min", None), attr_float(clip, "max", None)
     lo = None if lo is not None and math.isinf(lo) and lo < 0 else lo
@@ -749,7 +815,7 @@ def _swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
     if gate_clip is not None or lin_clip is not None:
         if gate_clip is None or lin_clip is None:
             which = gate_clip or lin_clip
-            raise _fail(
+            raise refuse(
                 f"SwiGLU clamps only one operand (Clip '{label(which)}'); MoE's swiglu_limit "
                 "clamps the gate from above and the linear operand on both sides",
                 which,
@@ -757,13 +823,13 @@ def _swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
         g_lo, g_hi = _clip_bounds(gate_clip)
         l_lo, l_hi = _clip_bounds(lin_clip)
         if g_lo is not None or g_hi is None or g_hi <= 0:
-            raise _fail(
+            raise refuse(
                 f"SwiGLU gate Clip '{label(gate_clip)}' is not min(gate, limit) (bounds "
                 f"{g_lo}, {g_hi})",
                 gate_clip,
             )
         if l_hi is None or l_lo is None or l_hi != g_hi or l_lo != -g_hi:
-            raise _fail(
+            raise refuse(
                 f"SwiGLU linear Clip '{label(lin_clip)}' is not clamp(x, -{g_hi}, {g_hi}) "
                 f"(bounds {l_lo}, {l_hi})",
                 lin_clip,
@@ -773,13 +839,13 @@ def _swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
     if b.get("alpha_form") == "scaled":
         a = const_float(b.get("swiglu_alpha"))
         if a is None:
-            raise _fail("SwiGLU: the Sigmoid's scale factor (alpha) is not a constant scalar")
+            raise refuse("SwiGLU: the Sigmoid's scale factor (alpha) is not a constant scalar")
         alpha = a
     beta = 0.0
     if b.get("beta_form") == "shifted":
         bb = const_float(b.get("swiglu_beta"))
         if bb is None:
-            raise _fail("SwiGLU: the linear operand's offset (beta) is not a constant scalar")
+            raise refuse("SwiGLU: the linear operand's offset (beta) is not a constant scalar")
         beta = bb
     return alpha, beta, limit
 
@@ -797,13 +863,13 @@ def _granularity(
     text = ", ".join(f"{w.role}: {w.describe()}" for w in parts)
     bit_set = {w.bits for w in parts}
     if len(bit_set) != 1:
-        raise _fail(
+        raise refuse(
             f"the expert projections have different bit widths ({text}); one QMoE node takes one",
             fc2.value,
         )
     bits = bit_set.pop()
     if bits == 4 and (hidden % 2 or inter % 2):
-        raise _fail(f"4-bit QMoE packs pairs along K; H = {hidden}, I = {inter}", fc2.value)
+        raise refuse(f"4-bit QMoE packs pairs along K; H = {hidden}, I = {inter}", fc2.value)
     per_channel = all(w.per_channel for w in parts)
     blocks = {w.block for w in parts}
     common = blocks.pop() if len(blocks) == 1 else 0
@@ -815,12 +881,12 @@ def _granularity(
     if valid:
         return bits, common
     if common:
-        raise _fail(
+        raise refuse(
             f"block size {common} is not usable by QMoE (a power of two >= 16 that divides "
             f"H = {hidden} and I = {inter}) ({text})",
             fc2.value,
         )
-    raise _fail(
+    raise refuse(
         f"the expert projections are quantized with different granularity ({text}); one QMoE "
         "node takes one block size",
         fc2.value,
@@ -828,6 +894,14 @@ def _granularity(
 
 
 # -- the whole layer ---------------------------------------------------------------------------
+
+
+#: The FC1 projections of each activation family: (pattern tag, role in the reasons).
+FC1_PROJECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gated": (("fc1_gate", "FC1 gate"), ("fc1_up", "FC1 up")),
+    "fused_gated": (("fc1", "FC1"),),
+    "elementwise": (("fc1", "FC1"),),
+}
 
 
 def analyse_layer(
@@ -846,29 +920,62 @@ def analyse_layer(
     ``"reduce_sum"``, ``"matmul_squeeze"`` or ``"matmul_reshape"``; ``emit`` the ops allowed;
     ``matched`` the nodes the pattern matched (for the escape check of the dequantized weights;
     None skips it, as ``rewrite`` does once ``check`` has passed).
+
+    This is the per-slot form (projections ``[*, k, N]``); the flattened-rows form of
+    torch.onnx ``batched_mm`` exports is :func:`._moe_rows_analysis.analyse_rows_layer`. Both
+    end in :func:`finish_layer`.
     """
     root = b["layer_out"].producer()
     graph = root.graph if root is not None else None
     opset = opset if opset is not None else default_opset(graph)
     r = _token_rank(b)
-    routing = _routing(b, r, opset)
+    routing = routing_form(b, r, opset)
     k = routing.k
     topk_idx = routing.topk.outputs[1]
 
-    if family == "gated":
-        fc1 = (
-            _expert(b, "fc1_gate", "FC1 gate", r, k, topk_idx, False),
-            _expert(b, "fc1_up", "FC1 up", r, k, topk_idx, False),
-        )
-    else:
-        fc1 = (_expert(b, "fc1", "FC1", r, k, topk_idx, False),)
+    fc1 = tuple(
+        _expert(b, tag, role, r, k, topk_idx, False) for tag, role in FC1_PROJECTIONS[family]
+    )
     fc2 = _expert(b, "fc2", "FC2", r, k, topk_idx, True)
+    _combine(b, r, combine, fc2.shape[2])
+    return finish_layer(
+        b,
+        family=family,
+        emit=emit,
+        matched=matched,
+        rank=r,
+        routing=routing,
+        fc1=fc1,
+        fc2=fc2,
+        fc1_last_axis=r,
+    )
 
+
+def finish_layer(
+    b: Mapping[str, Any],
+    *,
+    family: str,
+    emit: frozenset[str],
+    matched: Collection[ir.Node] | None,
+    rank: int,
+    routing: Routing,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    fc1_last_axis: int,
+) -> LayerPlan:
+    """Steps 4 (sizes) to 7 of a layer whose routing and projections are proved.
+
+    Shared by every layer form: ``rank`` is the token rank of the fused node's input,
+    ``fc1_last_axis`` the feature axis of FC1's output (``r`` for ``[*, k, N]``, 1 for
+    flattened ``[rows, N]``), where the SwiGLU cuts must be.
+    """
+    root = b["layer_out"].producer()
+    r = rank
+    k = routing.k
     e, inter, hidden = fc2.shape
-    _combine(b, r, combine, hidden)
     for w in fc1:
         if w.shape[0] != e or w.shape[1] != hidden:
-            raise _fail(
+            raise refuse(
                 f"{w.role} weights have shape {list(w.shape)} but FC2's are {list(fc2.shape)} "
                 "(expected [E, H, ...] with the same E and H)",
                 w.value,
@@ -876,42 +983,44 @@ def analyse_layer(
     n1 = sum(w.shape[2] for w in fc1)
     tokens: ir.Value = b["tokens"]
     if static_last_dim(tokens) not in (None, hidden):
-        raise _fail(f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens)
+        raise refuse(
+            f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens
+        )
     router_e = static_last_dim(routing.router_probs)
     if router_e is None:
-        raise _fail(
+        raise refuse(
             f"cannot prove that the router '{value_label(routing.router_probs)}' produces "
             f"E = {e} logits per token",
             routing.router_probs,
         )
     if router_e != e:
-        raise _fail(
+        raise refuse(
             f"the router produces {router_e} logits per token but there are {e} experts",
             routing.router_probs,
         )
     if not 1 <= k <= e:
-        raise _fail(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
+        raise refuse(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
 
     alpha, beta, limit = 1.0, 0.0, None
     if family == "elementwise":
         activation = _elementwise_activation(b)
         columns = np.arange(n1)
         if n1 != inter:
-            raise _fail(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
+            raise refuse(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
     else:
         activation = "swiglu"
         alpha, beta, limit = _swiglu_params(b)
         if family == "gated":
             if fc1[0].shape != fc1[1].shape:
-                raise _fail("the gate and up experts have different shapes", fc1[1].value)
+                raise refuse("the gate and up experts have different shapes", fc1[1].value)
             gate_cols = np.arange(fc1[0].shape[2])
             lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
         else:
             fc1_out: ir.Value = b["fc1_out"]
-            gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, r, "gate")
-            lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, r, "linear")
+            gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
+            lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
         if len(gate_cols) != inter or len(lin_cols) != inter:
-            raise _fail(
+            raise refuse(
                 f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
                 f"but FC2 reads {inter}",
                 fc2.value,
@@ -920,10 +1029,10 @@ def analyse_layer(
 
     dtypes = {w.dtype for w in (*fc1, fc2)}
     if len(dtypes) != 1:
-        raise _fail("the expert weights do not all have the same float type", fc2.value)
+        raise refuse("the expert weights do not all have the same float type", fc2.value)
     quant = {w.quantized for w in (*fc1, fc2)}
     if len(quant) != 1:
-        raise _fail(
+        raise refuse(
             "some expert weights are quantized and others are float ("
             + ", ".join(f"{w.role}: {w.describe()}" for w in (*fc1, fc2))
             + "); MoE takes float and QMoE quantized weights only",
@@ -934,22 +1043,22 @@ def analyse_layer(
     if op == "QMoE":
         bits, block = _granularity(fc1, fc2, hidden, inter)
         if routing.normalize != 1:
-            raise _fail(
+            raise refuse(
                 f"routing weights not renormalised (TopK '{label(routing.topk)}' values used as "
                 "they are): only MoE can express this (normalize_routing_weights=0), but the "
                 "expert weights are quantized, which only QMoE takes, and QMoE always renormalises",
                 routing.topk,
             )
         if activation not in QMOE_ACTIVATIONS:
-            raise _fail(
+            raise refuse(
                 f"QMoE takes relu or swiglu in this project's kernels, and the activation is "
                 f"{activation}",
                 b.get("act") or fc2.value,
             )
     elif activation not in MOE_ACTIVATIONS:  # pragma: no cover - every form above is in the set
-        raise _fail(f"MoE cannot run activation {activation}")
+        raise refuse(f"MoE cannot run activation {activation}")
     if op not in emit:
-        raise _fail(
+        raise refuse(
             f"the layer would fuse into {op}, which is not among the requested ops "
             f"({', '.join(sorted(emit)) or 'none'})",
             routing.topk,
@@ -964,7 +1073,7 @@ def analyse_layer(
             bad = [u for u, _ in out.uses() if u not in matched]
             if out.is_graph_output() or bad:
                 where = "a graph output" if out.is_graph_output() else f"used by {label(bad[0])}"
-                raise _fail(
+                raise refuse(
                     f"the dequantized {w.role} weights '{value_label(out)}' escape the layer: "
                     f"they are also {where}",
                     out,
