@@ -27,7 +27,7 @@ from .passes import FusionReport, fusion_pipeline
 
 __all__ = ["FuseResult", "FusionReport", "fuse"]
 
-_OPS = ("MoE", "QMoE")
+_OPS = ("MoE", "QMoE", "MatMulNBitsQkv")
 
 
 @dataclass
@@ -64,12 +64,13 @@ def fuse(
     *,
     only: set[str] | frozenset[str] | None = None,
 ) -> FuseResult:
-    """Fuse every MoE layer of ``model`` that provably equals one MoE / QMoE node.
+    """Fuse every layer of ``model`` that provably equals one MoE / QMoE / MatMulNBitsQkv node.
 
     Args:
         model: a ``ModelProto`` (not modified), an ``onnx_ir.Model`` (fused in place) or the
             path of a ``.onnx`` file (external data is read lazily from beside it).
-        only: the ops that may be emitted, e.g. ``{"MoE"}``; default ``{"MoE", "QMoE"}``.
+        only: the ops that may be emitted, e.g. ``{"MoE"}``; default all of
+            ``{"MoE", "QMoE", "MatMulNBitsQkv"}``.
 
     Returns:
         A :class:`FuseResult`. Layers that do not fuse are left exactly as they were; the

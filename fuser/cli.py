@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-moe-fuse",
         description="Fuse mixture-of-experts layers of ONNX models into ONNX Runtime's "
-        "QMoE / MoE nodes, and prove each rewrite on WebGPU.",
+        "QMoE / MoE / MatMulNBitsQkv nodes, and prove each rewrite on WebGPU.",
         epilog="Exit codes: 0 success, 1 verification or self-check failed (no output "
         "written), 2 bad usage or input, 3 no WebGPU adapter.",
     )
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         "exits 1 and writes no model",
     )
     parser.add_argument("--report", help="write a JSON report: fusions, near misses, verification")
-    parser.add_argument("--only", help="comma-separated ops that may be emitted, e.g. MoE")
+    parser.add_argument("--only", help="comma-separated ops that may be emitted (MoE, QMoE, MatMulNBitsQkv; default all)")
     parser.add_argument(
         "--explain",
         action="store_true",

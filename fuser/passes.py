@@ -4,6 +4,8 @@
 
     FuseMoELayersPass      layer rules (onnx_moe_fuse.rewrites.moe_layer) -> MoE / QMoE;
                            fills a FusionReport with the fusions and the near misses
+    FuseQkvPass            RMSNorm + three 4-bit projections (onnx_moe_fuse.rewrites.
+                           matmul_nbits_qkv) -> MatMulNBitsQkv; fusions and near misses too
     RemoveDeadCodePass     drop what the fused layers left dead (DequantizeLinear, the router
                            Softmax, Constants, unused initializers); only after a fusion
     LowerOpsetPass         "" : 29 -> 28 once no GroupedMatMul is left (opset 29 adds only
@@ -36,6 +38,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
 
+from onnx_moe_fuse.rewrites import matmul_nbits_qkv as qkv
 from onnx_moe_fuse.rewrites.moe_layer import (
     FUSED_OPS,
     REPLACED_KEY,
@@ -43,11 +46,16 @@ from onnx_moe_fuse.rewrites.moe_layer import (
     moe_layer_rule_set,
 )
 
+#: Every op the pipeline can emit.
+ALL_FUSED_OPS = FUSED_OPS | {qkv.FUSED_OP}
+
 __all__ = [
     "INTERNAL_DOMAIN",
     "FusionReport",
     "NearMissTracer",
     "FuseMoELayersPass",
+    "FuseQkvPass",
+    "ALL_FUSED_OPS",
     "RemoveDeadCodePass",
     "LowerOpsetPass",
     "FusedNodesCheckPass",
@@ -80,8 +88,9 @@ REQUIRED_ATTRIBUTES: dict[str, frozenset[str]] = {
     ),
 }
 REQUIRED_ATTRIBUTES["QMoE"] = REQUIRED_ATTRIBUTES["MoE"] | {"expert_weight_bits", "block_size"}
+REQUIRED_ATTRIBUTES[qkv.FUSED_OP] = qkv.FUSED_ATTRIBUTES
 
-_RULE_PREFIXES = tuple(cls.__name__ for cls in RULE_CLASSES)
+_RULE_PREFIXES = (*(cls.__name__ for cls in RULE_CLASSES), f"{qkv.FUSED_OP}[")
 _RULE_NAME_TAG = "pkg.onnxscript.rewriter.rule_name"
 
 # onnxscript's matcher refuses a whole-pattern match whose nodes feed values outside the pattern
@@ -287,14 +296,18 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
     def __init__(self, report: FusionReport | None = None, only: Iterable[str] | None = None):
         """Set up the pass; ``report`` receives what it did."""
         super().__init__()
-        emit = FUSED_OPS if only is None else frozenset(only)
-        if not emit <= FUSED_OPS:
-            raise ValueError(f"only must name ops among {sorted(FUSED_OPS)}, got {sorted(emit)}")
-        self.emit = emit
+        emit = ALL_FUSED_OPS if only is None else frozenset(only)
+        if not emit <= ALL_FUSED_OPS:
+            raise ValueError(
+                f"only must name ops among {sorted(ALL_FUSED_OPS)}, got {sorted(emit)}"
+            )
+        self.emit = emit & FUSED_OPS
         self.report = report if report is not None else FusionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Dry-run the rules for near misses, then rewrite; fill the report."""
+        if not self.emit:
+            return ir.passes.PassResult(model, modified=False)
         tracer = NearMissTracer()
         moe_layer_rule_set(self.emit, probe=True).apply_to_model(model, tracer=tracer)
         names = _names(model.graph)
@@ -305,17 +318,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             # is exactly as it was. The originals were unique, and so stay.
             _restore_names(names)
 
-        for node in _fused_nodes(model.graph):
-            replaced = json.loads(node.metadata_props.pop(REPLACED_KEY))
-            self.report.fusions.append(
-                {
-                    "op": node.op_type,
-                    "name": node.name,
-                    "rule": _rule_name(node),
-                    "replaced": replaced,
-                    "attributes": {k: _attr_value(a) for k, a in node.attributes.items()},
-                }
-            )
+        _report_fusions(model.graph, self.report)
 
         seen: set[tuple[int, str]] = set()
         explained: set[int] = set()
@@ -353,6 +356,59 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                         "values": [],
                     }
                 )
+        return ir.passes.PassResult(model, modified=count > 0)
+
+
+def _report_fusions(graph: ir.Graph, report: FusionReport) -> None:
+    """Move each new fused node's replaced-nodes marker into a report entry."""
+    for node in _fused_nodes(graph):
+        replaced = json.loads(node.metadata_props.pop(REPLACED_KEY))
+        report.fusions.append(
+            {
+                "op": node.op_type,
+                "name": node.name,
+                "rule": _rule_name(node),
+                "replaced": replaced,
+                "attributes": {k: _attr_value(a) for k, a in node.attributes.items()},
+            }
+        )
+
+
+class FuseQkvPass(ir.passes.InPlacePass):
+    """Rewrite RMSNorm + three 4-bit projections into ``com.microsoft.MatMulNBitsQkv``.
+
+    Runs when ``only`` (default: every op) names MatMulNBitsQkv. Near misses come from the
+    rule module's own dry run (:func:`onnx_moe_fuse.rewrites.matmul_nbits_qkv.near_misses`),
+    which also sees norms read by other than three projections.
+    """
+
+    def __init__(self, report: FusionReport | None = None, only: Iterable[str] | None = None):
+        """Set up the pass; ``report`` receives what it did."""
+        super().__init__()
+        self.enabled = only is None or qkv.FUSED_OP in set(only)
+        self.report = report if report is not None else FusionReport()
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Dry-run for near misses, then rewrite; fill the report."""
+        if not self.enabled:
+            return ir.passes.PassResult(model, modified=False)
+        misses = qkv.near_misses(model)
+        names = _names(model.graph)
+        count = qkv.rules().apply_to_model(model)
+        if count:
+            _restore_names(names)
+        _report_fusions(model.graph, self.report)
+        for miss in misses:
+            self.report.near_misses.append(
+                {
+                    "rule": miss.rule,
+                    "root": miss.root,
+                    "topk": None,
+                    "router": None,
+                    "reason": miss.reason,
+                    "values": list(miss.values),
+                }
+            )
         return ir.passes.PassResult(model, modified=count > 0)
 
 
@@ -477,6 +533,7 @@ def fusion_pipeline(
     return ir.passes.PassManager(
         [
             FuseMoELayersPass(report, only),
+            FuseQkvPass(report, only),
             RemoveDeadCodePass(report),
             LowerOpsetPass(report),
             FusedNodesCheckPass(),

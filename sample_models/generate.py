@@ -29,7 +29,7 @@ def write_samples(out_dir: Path, names: Sequence[str] | None = None) -> list[dic
     """Write the named samples (default: all) and ``index.json``; returns the index entries."""
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = []
-    for name in names or sample_names():
+    for name in names or sample_names(kind="all"):
         sample = get_sample(name)
         onnx.save_model(sample.model, out_dir / f"{sample.name}.onnx")
         entries.append(sample.index_entry())
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out_dir", nargs="?", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="write only these samples")
     args = parser.parse_args(argv)
-    known = set(sample_names())
+    known = set(sample_names(kind="all"))
     unknown = [n for n in args.only or [] if n not in known]
     if unknown:
         parser.error(f"unknown sample(s): {', '.join(unknown)}")
