@@ -1,0 +1,512 @@
+"""QMoE kernel package: test.json and random cases, every variant, vs oracle and ORT.
+
+Each variant is forced wherever its ``when`` holds and compared with the numpy oracle and
+ONNX Runtime's CPU ``com.microsoft.QMoE``.
+
+The oracle (``onnx_moe_fuse.oracles.moe.qmoe``) is written apart from the kernels and pinned
+against ORT in ``tests/oracles``. ORT is asked too wherever it has the mode: every case but
+swiglu_fusion 2 (ORT CPU refuses it), inter_size 0 and zero tokens (ORT refuses / we skip).
+Weights go to ORT as graph inputs, not initializers: with constant block-wise 8-bit weights
+ORT CPU quantises the activations to int8 and is about 1% off (semantics.md).
+
+Error measure: ``max|kernel - reference| / max|reference|``, at most 1e-4 (float32). Every
+run poisons the outputs first, so an element no pass writes shows up as NaN. Random inputs
+are fresh per run (the ``rng`` fixture prints the seed). Shapes come from a small pool so
+that pipelines (cached by their rendered WGSL) are compiled a few hundred times, not
+thousands: lavapipe compiles a pipeline in 5-40 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from onnx_moe_fuse.kernels.cases import load_cases
+from onnx_moe_fuse.kernels.device import default_device
+from onnx_moe_fuse.kernels.manifest import load_manifest, parse_manifest
+from onnx_moe_fuse.kernels.planner import DeviceFacts, KernelCallError, make_plan
+from onnx_moe_fuse.kernels.runtime import Kernel, get_kernel, package_folders
+from onnx_moe_fuse.oracles.moe import qmoe, route_qmoe
+from onnx_moe_fuse.oracles.quant import quantize_symmetric
+
+ort = pytest.importorskip("onnxruntime")
+from onnx import helper  # noqa: E402
+
+FOLDER = next(f for f in package_folders() if f.name == "qmoe")
+CASES = load_cases(FOLDER / "test.json")
+VARIANTS = [
+    "quant_zero_inter",
+    "quant_grouped_sgmat_routed",
+    "quant_grouped_routed",
+    "quant_gemv_routed",
+    "quant_split_routed",
+]
+SGMAT = "quant_grouped_sgmat_routed"
+#: Lets the gemv variant run at test sizes (its default wants >= 4 words per lane at 32 lanes).
+SMALL_TUNABLES = {"decodeLanes": 8, "decodeMinLaneTrips": 1}
+TOL = 1e-4
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """``max|got - want| / max|want|`` (absolute when ``want`` is all zeros)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if got.size == 0:
+        return 0.0
+    scale = max(float(np.abs(want).max()), 1e-30) if np.abs(want).max() > 0 else 1.0
+    return float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max() / scale)
+
+
+def _checked(out: np.ndarray, want: np.ndarray, what: str) -> float:
+    assert out.dtype == np.float32, f"{what}: dtype {out.dtype}"
+    assert not np.isnan(out).any(), f"{what}: unwritten (poisoned) or NaN output elements"
+    err = rel_err(out, want)
+    assert err <= TOL, f"{what}: relative error {err:.3g} > {TOL}"
+    return err
+
+
+# -- references ---------------------------------------------------------------------------
+
+
+def _block(attrs: dict) -> int | None:
+    return attrs.get("block_size") or None
+
+
+def oracle(call: dict, attrs: dict) -> np.ndarray:
+    """The numpy oracle; inter_size 0 (which the oracle and ORT refuse) by definition."""
+    x, router = call["inputT"], call["routerT"]
+    if call["fc2T"].shape[2] == 0:
+        out = np.zeros((x.size // x.shape[-1], x.shape[-1]))
+        bias = call.get("fc2BiasT")
+        if bias is not None and out.shape[0]:
+            idx, weights = route_qmoe(router, attrs["k"])
+            out = (weights[..., None] * bias[idx].astype(np.float64)).sum(axis=1)
+        return out.reshape(x.shape).astype(np.float32)
+    return qmoe(
+        x,
+        router,
+        call["fc1T"],
+        call["fc1ScalesT"],
+        call["fc2T"],
+        call["fc2ScalesT"],
+        k=attrs["k"],
+        activation_type=attrs["activation_type"],
+        expert_weight_bits=attrs["expert_weight_bits"],
+        block_size=_block(attrs),
+        swiglu_fusion=attrs["swiglu_fusion"],
+        activation_alpha=attrs.get("activation_alpha", 1.0),
+        activation_beta=attrs.get("activation_beta", 0.0),
+        swiglu_limit=attrs.get("swiglu_limit"),
+        fc1_bias=call.get("fc1BiasT"),
+        fc2_bias=call.get("fc2BiasT"),
+        normalize_routing_weights=attrs.get("normalize_routing_weights", 0),
+    )
+
+
+def ort_has_mode(call: dict, attrs: dict) -> bool:
+    """Whether ORT CPU's QMoE runs this call (interleaved SwiGLU only; I > 0; tokens > 0)."""
+    return (
+        attrs["swiglu_fusion"] in (0, 1)
+        and call["fc2T"].shape[2] > 0
+        and call["routerT"].shape[0] > 0
+    )
+
+
+def run_ort_qmoe(call: dict, attrs: dict) -> np.ndarray:
+    """One QMoE node on ORT CPU, inputs at ORT's positions, every attribute written."""
+    order = [
+        call["inputT"],
+        call["routerT"],
+        call["fc1T"],
+        call["fc1ScalesT"],
+        call.get("fc1BiasT"),
+        call["fc2T"],
+        call["fc2ScalesT"],
+        call.get("fc2BiasT"),
+    ]
+    full = {
+        "k": attrs["k"],
+        "activation_type": attrs["activation_type"],
+        "expert_weight_bits": attrs["expert_weight_bits"],
+        "swiglu_fusion": attrs["swiglu_fusion"],
+        "activation_alpha": float(attrs.get("activation_alpha", 1.0)),
+        "activation_beta": float(attrs.get("activation_beta", 0.0)),
+        "normalize_routing_weights": attrs.get("normalize_routing_weights", 0),
+        "use_sparse_mixer": 0,
+        "quant_type": "int",
+        "weights_prepacked": 0,
+        "accuracy_level": 0,
+        "swiglu_limit_after_activation": 0,
+    }
+    if _block(attrs):
+        full["block_size"] = attrs["block_size"]
+    if "swiglu_limit" in attrs:
+        full["swiglu_limit"] = float(attrs["swiglu_limit"])
+    return _run_ort_node("QMoE", order, full)
+
+
+def _run_ort_node(op: str, inputs: list, attrs: dict) -> np.ndarray:
+    names, graph_inputs, feeds = [], [], {}
+    for i, arr in enumerate(inputs):
+        if arr is None:
+            names.append("")
+            continue
+        names.append(f"in{i}")
+        elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        graph_inputs.append(helper.make_tensor_value_info(f"in{i}", elem, arr.shape))
+        feeds[f"in{i}"] = arr
+    while names and not names[-1]:
+        names.pop()
+    node = helper.make_node(op, names, ["out"], domain="com.microsoft", **attrs)
+    out = helper.make_tensor_value_info(
+        "out", helper.np_dtype_to_tensor_dtype(np.dtype(np.float32)), None
+    )
+    model = helper.make_model(
+        helper.make_graph([node], "g", graph_inputs, [out]),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+        ir_version=10,
+    )
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 4
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(["out"], feeds)[0]
+
+
+# -- running every eligible variant -------------------------------------------------------
+
+
+def eligible(kernel: Kernel, call: dict, attrs: dict, limits: dict, tunables: dict) -> dict:
+    """Variant -> the tunables under which its ``when`` holds (the call's, else smaller)."""
+    found: dict[str, dict] = {}
+    for tun in (tunables, {**SMALL_TUNABLES, **tunables}):
+        plan = kernel.plan(attrs=attrs, tunables=tun, device_limits=limits, **call)
+        for vid in kernel.variants:
+            if vid not in plan.rejected and vid not in found:
+                found[vid] = tun
+    return found
+
+
+def run_all_variants(
+    kernel: Kernel,
+    call: dict,
+    attrs: dict,
+    want: np.ndarray,
+    what: str,
+    limits: dict | None = None,
+    tunables: dict | None = None,
+    ort_out: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Run every eligible variant (forced); check each against ``want`` (and ORT)."""
+    limits, tunables = limits or {}, tunables or {}
+    errors = {}
+    for vid, tun in eligible(kernel, call, attrs, limits, tunables).items():
+        out = kernel(
+            attrs=attrs,
+            variant=vid,
+            tunables=tun,
+            device_limits=limits,
+            poison_outputs=True,
+            **call,
+        )["outputT"]
+        assert out.shape == want.shape, f"{what} {vid}: shape {out.shape} != {want.shape}"
+        errors[vid] = _checked(out, want, f"{what} [{vid}] vs oracle")
+        if ort_out is not None:
+            _checked(out, ort_out, f"{what} [{vid}] vs ORT")
+    assert errors, f"{what}: no variant accepts the call"
+    return errors
+
+
+def _subgroup_rejection_ok(plan_rejected: dict, device) -> None:
+    width = device.adapter_info.get("subgroupMinSize")
+    if width == 32 and device.adapter_info.get("subgroupMaxSize") == 32:
+        return
+    assert SGMAT in plan_rejected
+    assert "sgmatSubgroupOk" in plan_rejected[SGMAT], plan_rejected[SGMAT]
+
+
+# -- test.json ----------------------------------------------------------------------------
+
+
+def test_kernel_lists_its_variants(device):
+    assert get_kernel("com.microsoft.QMoE").variants == VARIANTS
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_case(device, rng, case):
+    kernel = get_kernel("com.microsoft.QMoE")
+    call = case.materialize(rng)
+    call = {k: v for k, v in call.items() if v is not None}
+    if case.error is not None:
+        with pytest.raises(ValueError, match=re.escape(case.error)):
+            kernel(attrs=case.attrs, device_limits=case.device_limits, **call)
+        return
+    plan = kernel.plan(attrs=case.attrs, device_limits=case.device_limits, **call)
+    _subgroup_rejection_ok(plan.rejected, device)
+    want = oracle(call, case.attrs)
+    expected = case.expected_arrays()
+    if expected is not None:
+        np.testing.assert_allclose(want, expected["outputT"], rtol=1e-6, atol=1e-6)
+    ort_out = run_ort_qmoe(call, case.attrs) if ort_has_mode(call, case.attrs) else None
+    if ort_out is not None:
+        # The oracle's own agreement with ORT (pinned in tests/oracles) holds here too.
+        assert rel_err(ort_out, want) <= TOL
+    errors = run_all_variants(
+        kernel, call, case.attrs, want, case.name, case.device_limits, case.tunables, ort_out
+    )
+    if case.device_limits:
+        assert plan.scope.lookup("hiddenChunkCount") > 1 or plan.scope.lookup("numTokens") == 0
+    print(case.name, {k: f"{v:.1e}" for k, v in errors.items()})
+
+
+# -- random cases -------------------------------------------------------------------------
+
+#: (E, H, I, k, bits, block, activation, swiglu_fusion, fc1 bias, fc2 bias, swiglu_limit)
+CONFIGS = [
+    (4, 32, 16, 2, 4, None, "relu", 0, False, False, None),
+    (4, 32, 16, 2, 8, 16, "relu", 0, True, True, None),
+    (4, 32, 16, 1, 4, 16, "gelu", 0, False, True, None),
+    (4, 32, 16, 4, 8, None, "silu", 0, True, False, None),
+    (4, 32, 16, 3, 4, None, "identity", 0, False, False, None),
+    (4, 32, 16, 2, 4, None, "swiglu", 1, False, False, None),
+    (4, 32, 16, 2, 4, 16, "swiglu", 1, True, True, 7.0),
+    (4, 32, 16, 2, 8, None, "swiglu", 1, False, True, 1.5),
+    (4, 32, 16, 2, 8, 16, "swiglu", 2, True, False, None),
+    (4, 32, 16, 4, 4, 16, "swiglu", 2, False, False, 7.0),
+    (8, 64, 32, 2, 4, 32, "swiglu", 1, True, True, 7.0),
+    (8, 64, 32, 8, 4, 32, "swiglu", 1, False, False, None),
+    (8, 64, 32, 3, 8, 32, "relu", 0, False, True, None),
+    (8, 64, 32, 1, 8, None, "gelu", 0, True, True, None),
+    (3, 20, 14, 2, 4, None, "relu", 0, True, True, None),
+    (3, 18, 10, 3, 8, None, "swiglu", 1, False, False, 2.0),
+    (2, 16, 64, 2, 4, 16, "silu", 0, False, False, None),
+    (2, 48, 32, 1, 8, 16, "swiglu", 2, False, True, None),
+]
+TOKENS = [1, 2, 3, 5, 9, 17, 33, 40, 64]
+
+
+def random_call(rng: np.random.Generator, config: tuple, tokens: int, rank: int):
+    e, h, inter, k, bits, block, act, fusion, b1, b2, limit = config
+    rows = (2 if act == "swiglu" else 1) * inter
+    lead = (tokens,) if rank == 2 else ((1, tokens) if tokens % 2 else (2, tokens // 2))
+    x_scale = 3.0 if limit else 1.0
+    fc1, s1 = quantize_symmetric(rng.standard_normal((e, rows, h)) / math.sqrt(h), bits, block, rng)
+    fc2, s2 = quantize_symmetric(
+        rng.standard_normal((e, h, inter)) / math.sqrt(inter), bits, block, rng
+    )
+    call = {
+        "inputT": (x_scale * rng.standard_normal((*lead, h))).astype(np.float32),
+        "routerT": rng.standard_normal((tokens, e)).astype(np.float32),
+        "fc1T": fc1,
+        "fc1ScalesT": s1,
+        "fc2T": fc2,
+        "fc2ScalesT": s2,
+    }
+    if b1:
+        call["fc1BiasT"] = rng.standard_normal((e, rows)).astype(np.float32)
+    if b2:
+        call["fc2BiasT"] = rng.standard_normal((e, h)).astype(np.float32)
+    attrs = {
+        "k": k,
+        "activation_type": act,
+        "expert_weight_bits": bits,
+        "swiglu_fusion": fusion,
+        "normalize_routing_weights": int(rng.integers(0, 2)),
+    }
+    if block:
+        attrs["block_size"] = block
+    elif rng.random() < 0.3:
+        attrs["block_size"] = 0  # 0 means column-wise, as an absent block_size
+    if act == "swiglu":
+        attrs["activation_alpha"] = float(rng.choice([1.0, 1.702, rng.uniform(0.5, 2.0)]))
+        attrs["activation_beta"] = float(rng.choice([0.0, 1.0, rng.uniform(-1.0, 1.0)]))
+    if limit:
+        attrs["swiglu_limit"] = limit
+    return call, attrs
+
+
+def test_random_cases(device, rng):
+    """At least 200 (case, variant) runs over every option, each against oracle and ORT."""
+    kernel = get_kernel("com.microsoft.QMoE")
+    runs, ort_runs, per_variant, worst = 0, 0, Counter(), 0.0
+    for i in range(120):
+        config = (
+            CONFIGS[i % len(CONFIGS)] if i < len(CONFIGS) else CONFIGS[rng.integers(len(CONFIGS))]
+        )
+        tokens = int(rng.choice(TOKENS))
+        rank = int(rng.integers(2, 4))
+        call, attrs = random_call(rng, config, tokens, rank)
+        want = oracle(call, attrs)
+        ort_out = run_ort_qmoe(call, attrs) if ort_has_mode(call, attrs) else None
+        what = f"random {i}: {config} T={tokens} rank={rank} attrs={attrs}"
+        errors = run_all_variants(kernel, call, attrs, want, what, ort_out=ort_out)
+        runs += len(errors)
+        ort_runs += len(errors) if ort_out is not None else 0
+        per_variant.update(errors.keys())
+        worst = max(worst, *errors.values())
+    print(f"{runs} kernel runs ({ort_runs} also vs ORT), worst rel err {worst:.2e}: {per_variant}")
+    assert runs >= 200
+    for vid in ("quant_grouped_routed", "quant_gemv_routed", "quant_split_routed"):
+        assert per_variant[vid] >= 30, per_variant
+
+
+def test_random_chunked_cases(device, rng):
+    """Lowered binding limits: several token chunks, every variant, rank 2 and 3."""
+    kernel = get_kernel("com.microsoft.QMoE")
+    configs = [
+        (2, 16, 32, 2, 4, None, "swiglu", 1, True, True, 7.0),
+        (2, 16, 32, 2, 8, 16, "relu", 0, False, True, None),
+        (3, 16, 16, 3, 4, 16, "gelu", 0, True, False, None),
+    ]
+    runs = 0
+    for i in range(12):
+        config = configs[i % len(configs)]
+        tokens = int(rng.choice([23, 40]))
+        call, attrs = random_call(rng, config, tokens, int(rng.integers(2, 4)))
+        need = config[3] * config[2] * 4  # one token's hidden activations
+        largest = max(a.nbytes for a in call.values())  # every tensor must still fit
+        limits = {"maxStorageBufferBindingSize": max(largest, need * int(rng.integers(2, 5)))}
+        plan = kernel.plan(attrs=attrs, device_limits=limits, **call)
+        assert plan.scope.lookup("hiddenChunkCount") > 1, limits
+        want = oracle(call, attrs)
+        ort_out = run_ort_qmoe(call, attrs) if ort_has_mode(call, attrs) else None
+        errors = run_all_variants(kernel, call, attrs, want, f"chunked {i}", limits, {}, ort_out)
+        runs += len(errors)
+    assert runs >= 24
+
+
+# -- the subgroup variant -----------------------------------------------------------------
+
+
+def test_grouped_sgmat_is_never_chosen_without_32_wide_subgroups(device, rng):
+    kernel = get_kernel("com.microsoft.QMoE")
+    call, attrs = random_call(rng, CONFIGS[6], 40, 2)
+    plan = kernel.plan(attrs=attrs, **call)
+    wave32 = (
+        "subgroups" in device.features
+        and device.adapter_info.get("subgroupMinSize") == 32
+        and device.adapter_info.get("subgroupMaxSize") == 32
+    )
+    if wave32:
+        assert plan.variant_id == SGMAT
+        return
+    assert plan.variant_id == "quant_grouped_routed"
+    reason = plan.rejected[SGMAT]
+    assert "sgmatSubgroupOk" in reason and "subgroupMinSize == 32" in reason, reason
+    with pytest.raises(KernelCallError, match="sgmatSubgroupOk"):
+        kernel(attrs=attrs, variant=SGMAT, **call)
+
+
+def _facts(width: int, features=("subgroups",), storage=49152) -> DeviceFacts:
+    limits = dict(default_device().limits)
+    limits["maxStorageBufferBindingSize"] = 2147483644
+    limits["maxComputeWorkgroupStorageSize"] = storage
+    return DeviceFacts(
+        limits, frozenset(features), {"subgroupMinSize": width, "subgroupMaxSize": width}
+    )
+
+
+def test_planner_on_described_adapters(device, rng):
+    """Selection on an H200-like description (32 lanes) and others, no GPU needed."""
+    manifest = load_manifest(FOLDER / "manifest.json")
+    prefill, attrs = random_call(rng, CONFIGS[10], 40, 2)
+    decode, _ = random_call(rng, CONFIGS[10], 1, 2)
+    assert make_plan(manifest, _facts(32), prefill, attrs).variant_id == SGMAT
+    assert make_plan(manifest, _facts(32), decode, attrs).variant_id == "quant_split_routed"
+    for facts, reason in (
+        (_facts(16), "sgmatSubgroupOk"),
+        (_facts(32, features=()), "requires device feature 'subgroups'"),
+        (_facts(32, storage=8192), "groupedSgmatSharedBytes"),
+    ):
+        plan = make_plan(manifest, facts, prefill, attrs)
+        assert plan.variant_id == "quant_grouped_routed"
+        assert reason in plan.rejected[SGMAT], plan.rejected[SGMAT]
+    # Real decode sizes (H = I = 256 here) go to the gemv variant.
+    e, h, inter = 4, 256, 256
+    big = {
+        "inputT": np.zeros((1, h), np.float32),
+        "routerT": np.zeros((1, e), np.float32),
+        "fc1T": np.zeros((e, 2 * inter, h // 2), np.uint8),
+        "fc1ScalesT": np.zeros((e, 2 * inter), np.float32),
+        "fc2T": np.zeros((e, h, inter // 2), np.uint8),
+        "fc2ScalesT": np.zeros((e, h), np.float32),
+    }
+    plan = make_plan(manifest, _facts(32), big, {**attrs, "block_size": 0})
+    assert plan.variant_id == "quant_gemv_routed"
+
+
+def _kernel_at_width(width: int) -> Kernel:
+    """The package with its subgroup variant retargeted to ``width``-lane subgroups."""
+    data = json.loads((FOLDER / "manifest.json").read_text())
+    data["derive"]["wave32Adapter"] = (
+        f"device.adapterInfo.subgroupMinSize == {width} "
+        f"and device.adapterInfo.subgroupMaxSize == {width}"
+    )
+    data["derive"]["sgmatLanes"] = str(width)
+    return Kernel(parse_manifest(data, FOLDER / "manifest.json"), FOLDER)
+
+
+def test_grouped_subgroup_kernel_at_the_measured_subgroup_width(device, rng):
+    """The subgroup kernel's template is generic in its width: run it at this adapter's.
+
+    On lavapipe (8 lanes) this checks every line of the grouped-sgmat templates; on a
+    32-lane GPU it is the shipped configuration.
+    """
+    width = device.adapter_info.get("subgroupMinSize")
+    if "subgroups" not in device.features or width != device.adapter_info.get("subgroupMaxSize"):
+        pytest.skip("adapter without a fixed subgroup width")
+    if width not in (8, 16, 32):
+        pytest.skip(f"subgroup width {width}: the kernel's tile needs 8, 16 or 32 lanes")
+    kernel = _kernel_at_width(width)
+    runs = 0
+    for i in range(24):
+        config = CONFIGS[i % len(CONFIGS)]
+        tokens = int(rng.choice([33, 40]))
+        call, attrs = random_call(rng, config, tokens, int(rng.integers(2, 4)))
+        plan = kernel.plan(attrs=attrs, **call)
+        if SGMAT in plan.rejected:
+            assert "groupedShapeOk" in plan.rejected[SGMAT], plan.rejected[SGMAT]
+            continue
+        assert plan.variant_id == SGMAT
+        out = kernel(attrs=attrs, variant=SGMAT, poison_outputs=True, **call)["outputT"]
+        _checked(out, oracle(call, attrs), f"sgmat@{width} {i}: {config} T={tokens}")
+        runs += 1
+    assert runs >= 12
+
+
+# -- plans and errors ---------------------------------------------------------------------
+
+
+def test_decode_prefers_gemv_and_prefill_grouped_on_this_adapter(device, rng):
+    kernel = get_kernel("com.microsoft.QMoE")
+    call, attrs = random_call(rng, CONFIGS[10], 1, 2)
+    plan = kernel.plan(attrs=attrs, tunables=SMALL_TUNABLES, **call)
+    assert plan.variant_id == "quant_gemv_routed"
+    assert "groupedShapeOk" in plan.rejected["quant_grouped_routed"]
+    call, attrs = random_call(rng, CONFIGS[10], 64, 2)
+    plan = kernel.plan(attrs=attrs, tunables={**SMALL_TUNABLES, "decodeBlockTarget": 16}, **call)
+    assert plan.variant_id in ("quant_grouped_routed", SGMAT)
+    assert "decodeOccupancyOk" in plan.rejected["quant_gemv_routed"]
+
+
+def test_chunk_size_follows_the_binding_limit(device, rng):
+    kernel = get_kernel("com.microsoft.QMoE")
+    config = (2, 16, 32, 2, 4, None, "relu", 0, False, False, None)
+    call, attrs = random_call(rng, config, 40, 2)  # 256 bytes of hidden activations a token
+    for limit, tokens_per_chunk in ((1 << 27, 40), (4096, 16), (2560, 10)):
+        plan = kernel.plan(
+            attrs=attrs, device_limits={"maxStorageBufferBindingSize": limit}, **call
+        )
+        assert plan.scope.lookup("hiddenChunkTokens") == tokens_per_chunk
+        assert plan.scope.lookup("hiddenChunkCount") == -(-40 // tokens_per_chunk)
+
+
+def test_binding_sets_name_only_declared_intermediates():
+    manifest = load_manifest(FOLDER / "manifest.json")
+    assert [v.id for v in manifest.variants] == VARIANTS
+    assert manifest.variants[1].requires.features == ("subgroups",)
