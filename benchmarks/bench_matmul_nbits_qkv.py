@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the ORT composition builder of the kernel tests
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import rel_err  # noqa: E402
 
 
 def device_once(kernel, plan) -> tuple[float, str]:
@@ -54,18 +54,12 @@ def call_once(kernel, call: dict, attrs: dict, variant: str) -> float:
 
 def ort_session(call: dict, attrs: dict, threads: int):
     """The CPU composition as a session (weights as initializers, default optimisations)."""
-    import onnxruntime as ort
-    from test_kernel_matmul_nbits_qkv import composition_model
+    from onnx_moe_fuse.ort_nodes import qkv_composition_model, session
 
-    model, feeds, names = composition_model(call, attrs)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 4
-    session = ort.InferenceSession(
-        model.SerializeToString(), so, providers=["CPUExecutionProvider"]
-    )
-    outputs = dict(zip(names, session.run(list(names.values()), feeds), strict=True))
-    return session, feeds, outputs
+    model, feeds, names = qkv_composition_model(call, attrs)
+    sess = session(model, threads=threads, optimize=True)
+    outputs = dict(zip(names, sess.run(list(names.values()), feeds), strict=True))
+    return sess, feeds, outputs
 
 
 def ort_once(session, feeds: dict) -> float:
@@ -109,13 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         errors = {}
         for variant in variants:  # also compiles the pipelines
             out = kernel(**call, attrs=attrs, variant=variant)
-            errors[variant] = max(
-                float(
-                    np.abs(out[k].astype(np.float64) - ort_out[k].astype(np.float64)).max()
-                    / max(np.abs(ort_out[k].astype(np.float64)).max(), 1e-30)
-                )
-                for k in ("qT", "kT", "vT")
-            )
+            errors[variant] = max(rel_err(out[k], ort_out[k]) for k in ("qT", "kT", "vT"))
         # Rounds interleave ORT and every variant, so background load hits all alike.
         ort_t, dev_t, call_t, method = [], {v: [] for v in variants}, {v: [] for v in variants}, ""
         for _ in range(args.repeats):

@@ -29,29 +29,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, median, print_table, wall_times  # noqa: E402
+from common import copy_bandwidth, median, print_table, rel_err, wall_times  # noqa: E402
 
 from onnx_moe_fuse.kernels.cases import load_cases  # noqa: E402
 from onnx_moe_fuse.kernels.device import default_device  # noqa: E402
 from onnx_moe_fuse.kernels.planner import KernelCallError  # noqa: E402
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders  # noqa: E402
 from onnx_moe_fuse.oracles.moe import route_moe, route_qmoe  # noqa: E402
+from onnx_moe_fuse.ort_nodes import kernel_node_model, session  # noqa: E402
 
 OPS = {"qmoe": "com.microsoft.QMoE", "moe": "com.microsoft.MoE"}
-#: ORT input positions of each bind key.
-ORT_ORDER = {
-    "qmoe": [
-        "inputT",
-        "routerT",
-        "fc1T",
-        "fc1ScalesT",
-        "fc1BiasT",
-        "fc2T",
-        "fc2ScalesT",
-        "fc2BiasT",
-    ],
-    "moe": ["inputT", "routerT", "fc1T", "fc1BiasT", "fc2T", "fc2BiasT", "fc3T", "fc3BiasT"],
-}
 WEIGHTS = {
     "qmoe": ("fc1T", "fc1ScalesT", "fc2T", "fc2ScalesT"),
     "moe": ("fc1T", "fc2T", "fc3T"),
@@ -64,63 +51,10 @@ def ort_session(op: str, call: dict, attrs: dict, threads: int | None):
     Weights are initializers (as in a fused model) while the model stays under protobuf's
     2 GB, graph inputs otherwise.
     """
-    import onnxruntime as ort
-    from onnx import helper, numpy_helper
-
-    full = {
-        "k": attrs["k"],
-        "activation_type": attrs["activation_type"],
-        "swiglu_fusion": attrs.get("swiglu_fusion", 0),
-        "normalize_routing_weights": attrs.get("normalize_routing_weights", 0),
-        "activation_alpha": float(attrs.get("activation_alpha", 1.0)),
-        "activation_beta": float(attrs.get("activation_beta", 0.0)),
-        "use_sparse_mixer": 0,
-        "swiglu_limit_after_activation": 0,
-    }
-    if "swiglu_limit" in attrs:
-        full["swiglu_limit"] = float(attrs["swiglu_limit"])
-    if op == "qmoe":
-        full.update(
-            expert_weight_bits=attrs["expert_weight_bits"],
-            quant_type="int",
-            weights_prepacked=0,
-            accuracy_level=0,
-        )
-        if attrs.get("block_size"):
-            full["block_size"] = attrs["block_size"]
     weight_bytes = sum(call[k].nbytes for k in WEIGHTS[op] if call.get(k) is not None)
-    as_initializers = weight_bytes < 1.5e9
-    names, graph_inputs, inits, feeds = [], [], [], {}
-    for i, key in enumerate(ORT_ORDER[op]):
-        arr = call.get(key)
-        if arr is None:
-            names.append("")
-            continue
-        name = f"in{i}"
-        names.append(name)
-        if as_initializers and key in WEIGHTS[op]:
-            inits.append(numpy_helper.from_array(arr, name))
-        else:
-            elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
-            graph_inputs.append(helper.make_tensor_value_info(name, elem, arr.shape))
-            feeds[name] = arr
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node(OPS[op].split(".")[-1], names, ["out"], domain="com.microsoft", **full)
-    out = helper.make_tensor_value_info(
-        "out", helper.np_dtype_to_tensor_dtype(np.dtype("f4")), None
-    )
-    model = helper.make_model(
-        helper.make_graph([node], "bench", graph_inputs, [out], initializer=inits),
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
-    )
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    if threads:
-        so.intra_op_num_threads = threads
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    const_keys = WEIGHTS[op] if weight_bytes < 1.5e9 else ()
+    model, feeds = kernel_node_model(OPS[op].split(".")[-1], call, attrs, const_keys=const_keys)
+    sess = session(model, threads=threads, log_severity_level=3)
     return lambda: sess.run(["out"], feeds)[0]
 
 
@@ -134,11 +68,6 @@ def weights_read(op: str, call: dict, attrs: dict) -> int:
     experts = call["routerT"].shape[1]
     total = sum(call[k].nbytes for k in WEIGHTS[op] if call.get(k) is not None)
     return total * used // experts
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|``."""
-    return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def time_variant(kernel, plan, runs: int, budget: float) -> tuple[list[float], str, np.ndarray]:

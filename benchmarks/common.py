@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: medians, the copy-bandwidth ceiling, tables.
+"""Helpers shared by the benchmark scripts: medians, errors, the copy-bandwidth ceiling, tables.
 
 Benchmarks are scripts, not tests: they print medians and ratios against references run
 side by side in the same process. Absolute kernel times mean something only on a GPU.
@@ -25,6 +25,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     }
 }
 """
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """``max|got - want| / max|want|``, in float64."""
+    w = want.astype(np.float64)
+    return float(np.abs(got.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30))
 
 
 def median(values: list[float]) -> float:

@@ -189,12 +189,6 @@ def _cases(rng: np.random.Generator, count: int):
         yield name, arrays, attrs, residual
 
 
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|``."""
-    w = want.astype(np.float64)
-    return float(np.abs(got.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30))
-
-
 def _child_env(mesa: str) -> dict:
     env = dict(os.environ)
     env.setdefault("XDG_RUNTIME_DIR", "/tmp")
@@ -242,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(Path(args.worker[0]), Path(args.worker[1]))
 
+    from common import rel_err
+
     from onnx_moe_fuse.kernels.runtime import get_kernel
-    from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits_qkv
+    from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
 
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
@@ -287,24 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, arrays, attrs, residual in cases:
         dtype = arrays["aT"].dtype.name
-        q, k, v, res = matmul_nbits_qkv(
-            arrays["aT"],
-            arrays.get("skipT"),
-            arrays["normScaleT"],
-            arrays["qBT"],
-            arrays["qScalesT"],
-            arrays["kBT"],
-            arrays["kScalesT"],
-            arrays["vBT"],
-            arrays["vScalesT"],
-            K=attrs["K"],
-            Nq=attrs["Nq"],
-            Nkv=attrs["Nkv"],
-            epsilon=attrs["epsilon"],
-        )
-        oracle = {"qT": q, "kT": k, "vT": v}
-        if residual:
-            oracle["residualT"] = res
+        oracle = KERNEL_ORACLES["MatMulNBitsQkv"](arrays, attrs)
+        if not residual:
+            oracle.pop("residualT", None)
         form = "skipsum" if residual else ("skip" if "skipT" in arrays else "norm")
         ort_o = ort_out[name]
         oracle_vs_ort = max(rel_err(oracle[key], ort_o[key]) for key in oracle)

@@ -434,12 +434,8 @@ def _fused(report: FusionReport | None) -> bool:
     return report is None or bool(report.fusions)
 
 
-class RemoveDeadCodePass(ir.passes.InPlacePass):
-    """Remove dead nodes and unused initializers (onnx-ir's ``RemoveUnusedNodesPass``).
-
-    With a ``report``, only when it records a fusion: an unfused model stays as it was, dead code
-    it already had included.
-    """
+class _AfterFusionPass(ir.passes.InPlacePass):
+    """A clean-up pass that, given a ``report``, acts only when the report records a fusion."""
 
     def __init__(self, report: FusionReport | None = None):
         """``report``: act only if it holds a fusion (None: always act)."""
@@ -447,9 +443,25 @@ class RemoveDeadCodePass(ir.passes.InPlacePass):
         self.report = report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Sweep."""
+        """Leave an unfused model as it was; otherwise :meth:`clean`."""
         if not _fused(self.report):
             return ir.passes.PassResult(model, modified=False)
+        return self.clean(model)
+
+    def clean(self, model: ir.Model) -> ir.passes.PassResult:
+        """The pass's work on a fused model."""
+        raise NotImplementedError
+
+
+class RemoveDeadCodePass(_AfterFusionPass):
+    """Remove dead nodes and unused initializers (onnx-ir's ``RemoveUnusedNodesPass``).
+
+    With a ``report``, only when it records a fusion: an unfused model stays as it was, dead code
+    it already had included.
+    """
+
+    def clean(self, model: ir.Model) -> ir.passes.PassResult:
+        """Sweep."""
         return RemoveUnusedNodesPass()(model)
 
 
@@ -460,7 +472,7 @@ def _uses_op(graph_like: ir.Graph | ir.Function, ops: frozenset[str]) -> bool:
     )
 
 
-class LowerOpsetPass(ir.passes.InPlacePass):
+class LowerOpsetPass(_AfterFusionPass):
     """Lower the default-domain opset past versions whose only changes are unused ops.
 
     Opset 29 only adds ``GroupedMatMul`` (:data:`OPSET_CHANGES`); once fusion removed the last
@@ -468,15 +480,8 @@ class LowerOpsetPass(ir.passes.InPlacePass):
     ``report``, only when it records a fusion.
     """
 
-    def __init__(self, report: FusionReport | None = None):
-        """``report``: act only if it holds a fusion (None: always act)."""
-        super().__init__()
-        self.report = report
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def clean(self, model: ir.Model) -> ir.passes.PassResult:
         """Lower while the newest declared version's changes are unused."""
-        if not _fused(self.report):
-            return ir.passes.PassResult(model, modified=False)
         modified = False
         while True:
             version = model.opset_imports.get("")

@@ -22,13 +22,14 @@ import re
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from helpers import rel_err
 
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.planner import KernelCallError
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders
-from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits_qkv
+from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
 from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
+from onnx_moe_fuse.ort_nodes import run_qkv_composition
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -53,15 +54,6 @@ def _needs_skip(variant: str) -> bool:
 
 def _wants_residual(variant: str) -> bool:
     return variant.endswith("skipsum")
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|`` (0 for empty arrays)."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if want.size == 0:
-        return 0.0
-    w = want.astype(np.float64)
-    return float(np.abs(got.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30))
 
 
 def _random_call(rng: np.random.Generator, dtype, lead, shape, skip: bool) -> dict:
@@ -93,106 +85,7 @@ def _attrs(call: dict, epsilon: float | None = EPSILON) -> dict:
 
 
 def _oracle(call: dict, attrs: dict) -> dict:
-    q, k, v, residual = matmul_nbits_qkv(
-        call["aT"],
-        call.get("skipT"),
-        call["normScaleT"],
-        call["qBT"],
-        call["qScalesT"],
-        call["kBT"],
-        call["kScalesT"],
-        call["vBT"],
-        call["vScalesT"],
-        K=attrs["K"],
-        Nq=attrs["Nq"],
-        Nkv=attrs["Nkv"],
-        block_size=32,
-        bits=4,
-        epsilon=attrs.get("epsilon", 9.999999974752427e-7),
-    )
-    out = {"qT": q, "kT": k, "vT": v}
-    if residual is not None:
-        out["residualT"] = residual
-    return out
-
-
-def composition_model(call: dict, attrs: dict):
-    """The ONNX model MatMulNBitsQkv replaces, and its feeds and output names by bind key.
-
-    (Skip)SimplifiedLayerNormalization + 3 x com.microsoft.MatMulNBits (bits 4, block 32,
-    accuracy_level 0), weights and norm scale as initializers. Also used by
-    ``benchmarks/bench_matmul_nbits_qkv.py``.
-    """
-    a = call["aT"]
-    elem = helper.np_dtype_to_tensor_dtype(a.dtype)
-    epsilon = attrs.get("epsilon", 9.999999974752427e-7)
-    inputs = [helper.make_tensor_value_info("A", elem, a.shape)]
-    feeds = {"A": a}
-    inits = [numpy_helper.from_array(call["normScaleT"], "gamma")]
-    skip = call.get("skipT")
-    if skip is not None:
-        inputs.append(helper.make_tensor_value_info("skip", elem, skip.shape))
-        feeds["skip"] = skip
-        norm = helper.make_node(
-            "SkipSimplifiedLayerNormalization",
-            ["A", "skip", "gamma"],
-            ["normed", "", "", "residual"],
-            domain="com.microsoft",
-            epsilon=epsilon,
-        )
-    else:
-        norm = helper.make_node(
-            "SimplifiedLayerNormalization",
-            ["A", "gamma"],
-            ["normed"],
-            axis=-1,
-            epsilon=epsilon,
-            stash_type=1,
-        )
-    nodes = [norm]
-    names = {"qT": "Q", "kT": "K", "vT": "V"}
-    for p, n in (("q", attrs["Nq"]), ("k", attrs["Nkv"]), ("v", attrs["Nkv"])):
-        inits += [
-            numpy_helper.from_array(call[f"{p}BT"], f"{p}_B"),
-            numpy_helper.from_array(call[f"{p}ScalesT"], f"{p}_scales"),
-        ]
-        nodes.append(
-            helper.make_node(
-                "MatMulNBits",
-                ["normed", f"{p}_B", f"{p}_scales"],
-                [names[f"{p}T"]],
-                domain="com.microsoft",
-                K=attrs["K"],
-                N=n,
-                bits=4,
-                block_size=32,
-                accuracy_level=0,
-            )
-        )
-    if skip is not None:
-        names["residualT"] = "residual"
-    outputs = [helper.make_tensor_value_info(o, elem, None) for o in names.values()]
-    graph = helper.make_graph(nodes, "qkv_composition", inputs, outputs, initializer=inits)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
-    )
-    return model, feeds, names
-
-
-def ort_composition(call: dict, attrs: dict) -> dict:
-    """ORT CPU runs :func:`composition_model` with graph optimisations off; outputs by bind key."""
-    model, feeds, names = composition_model(call, attrs)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 4
-    session = ort.InferenceSession(
-        model.SerializeToString(), so, providers=["CPUExecutionProvider"]
-    )
-    got = session.run(list(names.values()), feeds)
-    return dict(zip(names, got, strict=True))
+    return KERNEL_ORACLES["MatMulNBitsQkv"](call, attrs)
 
 
 def _run(call: dict, attrs: dict, variant: str, tunables: dict | None = None) -> dict:
@@ -241,7 +134,7 @@ def test_random_cases_against_oracle_and_ort(device, rng, variant):
         out = _run(call, attrs, variant)
         what = f"{variant} case {i} {np.dtype(dtype).name} A{list(call['aT'].shape)} {shape}"
         ref = _oracle(call, attrs)
-        ort_out = ort_composition(call, attrs)
+        ort_out = run_qkv_composition(call, attrs)
         if not _wants_residual(variant):
             ref.pop("residualT", None)
             ort_out.pop("residualT", None)

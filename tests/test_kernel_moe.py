@@ -22,37 +22,27 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import (
+    SMALL_TUNABLES,
+    TOL,
+    checked,
+    chunk_limits,
+    draw_configs,
+    rel_err,
+    run_all_variants,
+)
 
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.planner import KernelCallError
-from onnx_moe_fuse.kernels.runtime import Kernel, get_kernel, package_folders
-from onnx_moe_fuse.oracles.moe import moe, route_moe
+from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders
+from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
+from onnx_moe_fuse.ort_nodes import run_kernel_node
 
 ort = pytest.importorskip("onnxruntime")
-from onnx import helper  # noqa: E402
 
 FOLDER = next(f for f in package_folders() if f.name == "moe")
 CASES = load_cases(FOLDER / "test.json")
 VARIANTS = ["moe_zero_inter", "moe_grouped", "moe_gemv", "moe_stage"]
-SMALL_TUNABLES = {"decodeLanes": 8, "decodeMinLaneTrips": 1}
-TOL = 1e-4
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|`` (absolute when ``want`` is all zeros)."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if got.size == 0:
-        return 0.0
-    scale = float(np.abs(want).max()) or 1.0
-    return float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max() / scale)
-
-
-def _checked(out: np.ndarray, want: np.ndarray, what: str) -> float:
-    assert out.dtype == np.float32, f"{what}: dtype {out.dtype}"
-    assert not np.isnan(out).any(), f"{what}: unwritten (poisoned) or NaN output elements"
-    err = rel_err(out, want)
-    assert err <= TOL, f"{what}: relative error {err:.3g} > {TOL}"
-    return err
 
 
 # -- references ---------------------------------------------------------------------------
@@ -60,32 +50,7 @@ def _checked(out: np.ndarray, want: np.ndarray, what: str) -> float:
 
 def oracle(call: dict, attrs: dict) -> np.ndarray:
     """The numpy oracle; inter_size 0 (which the oracle and ORT refuse) by definition."""
-    x, router = call["inputT"], call["routerT"]
-    normalize = attrs.get("normalize_routing_weights", 0)
-    if call["fc2T"].shape[2] == 0:
-        out = np.zeros((x.size // x.shape[-1], x.shape[-1]))
-        bias = call.get("fc2BiasT")
-        if bias is not None and out.shape[0]:
-            idx, weights = route_moe(router, attrs["k"], normalize)
-            out = (weights[..., None] * bias[idx].astype(np.float64)).sum(axis=1)
-        return out.reshape(x.shape).astype(np.float32)
-    return moe(
-        x,
-        router,
-        call["fc1T"],
-        call["fc2T"],
-        fc1_bias=call.get("fc1BiasT"),
-        fc2_bias=call.get("fc2BiasT"),
-        fc3=call.get("fc3T"),
-        fc3_bias=call.get("fc3BiasT"),
-        k=attrs["k"],
-        activation_type=attrs["activation_type"],
-        swiglu_fusion=attrs.get("swiglu_fusion", 0),
-        normalize_routing_weights=normalize,
-        activation_alpha=attrs.get("activation_alpha", 1.0),
-        activation_beta=attrs.get("activation_beta", 0.0),
-        swiglu_limit=attrs.get("swiglu_limit"),
-    )
+    return KERNEL_ORACLES["MoE"](call, attrs)["outputT"]
 
 
 def interleaved_form(call: dict, attrs: dict) -> tuple[dict, dict]:
@@ -127,87 +92,7 @@ def ort_reference(call: dict, attrs: dict) -> np.ndarray | None:
     if call["fc2T"].shape[2] == 0 or call["routerT"].shape[0] == 0:
         return None
     call, attrs = interleaved_form(call, attrs)
-    order = [
-        call["inputT"],
-        call["routerT"],
-        call["fc1T"],
-        call.get("fc1BiasT"),
-        call["fc2T"],
-        call.get("fc2BiasT"),
-    ]
-    full = {
-        "k": attrs["k"],
-        "activation_type": attrs["activation_type"],
-        "swiglu_fusion": attrs.get("swiglu_fusion", 0),
-        "normalize_routing_weights": attrs.get("normalize_routing_weights", 0),
-        "activation_alpha": float(attrs.get("activation_alpha", 1.0)),
-        "activation_beta": float(attrs.get("activation_beta", 0.0)),
-        "use_sparse_mixer": 0,
-        "swiglu_limit_after_activation": 0,
-    }
-    if "swiglu_limit" in attrs:
-        full["swiglu_limit"] = float(attrs["swiglu_limit"])
-    names, graph_inputs, feeds = [], [], {}
-    for i, arr in enumerate(order):
-        if arr is None:
-            names.append("")
-            continue
-        names.append(f"in{i}")
-        elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        graph_inputs.append(helper.make_tensor_value_info(f"in{i}", elem, arr.shape))
-        feeds[f"in{i}"] = arr
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node("MoE", names, ["out"], domain="com.microsoft", **full)
-    out = helper.make_tensor_value_info(
-        "out", helper.np_dtype_to_tensor_dtype(np.dtype("f4")), None
-    )
-    model = helper.make_model(
-        helper.make_graph([node], "g", graph_inputs, [out]),
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
-    )
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 4
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(["out"], feeds)[0]
-
-
-# -- running every eligible variant -------------------------------------------------------
-
-
-def eligible(kernel: Kernel, call: dict, attrs: dict, limits: dict, tunables: dict) -> dict:
-    """Variant -> the tunables under which its ``when`` holds (the call's, else smaller)."""
-    found: dict[str, dict] = {}
-    for tun in (tunables, {**SMALL_TUNABLES, **tunables}):
-        plan = kernel.plan(attrs=attrs, tunables=tun, device_limits=limits, **call)
-        for vid in kernel.variants:
-            if vid not in plan.rejected and vid not in found:
-                found[vid] = tun
-    return found
-
-
-def run_all_variants(kernel, call, attrs, want, what, limits=None, tunables=None, ort_out=None):
-    """Run every eligible variant (forced); check each against ``want`` (and ORT)."""
-    limits, tunables = limits or {}, tunables or {}
-    errors = {}
-    for vid, tun in eligible(kernel, call, attrs, limits, tunables).items():
-        out = kernel(
-            attrs=attrs,
-            variant=vid,
-            tunables=tun,
-            device_limits=limits,
-            poison_outputs=True,
-            **call,
-        )["outputT"]
-        assert out.shape == want.shape, f"{what} {vid}: shape {out.shape} != {want.shape}"
-        errors[vid] = _checked(out, want, f"{what} [{vid}] vs oracle")
-        if ort_out is not None:
-            _checked(out, ort_out, f"{what} [{vid}] vs ORT")
-    assert errors, f"{what}: no variant accepts the call"
-    return errors
+    return run_kernel_node("MoE", call, attrs)
 
 
 # -- test.json ----------------------------------------------------------------------------
@@ -231,7 +116,8 @@ def test_case(device, rng, case):
         np.testing.assert_allclose(want, expected["outputT"], rtol=1e-6, atol=1e-6)
     ort_out = ort_reference(call, case.attrs)
     if ort_out is not None:
-        assert rel_err(ort_out, want) <= TOL  # the equivalence of the rearranged form
+        # The equivalence of the rearranged form.
+        assert rel_err(ort_out, want, zero_scale=1.0) <= TOL
     errors = run_all_variants(
         kernel, call, case.attrs, want, case.name, case.device_limits, case.tunables, ort_out
     )
@@ -306,17 +192,12 @@ def test_random_cases(device, rng):
     """At least 200 (case, variant) runs over every option, each against oracle and ORT."""
     kernel = get_kernel("com.microsoft.MoE")
     runs, per_variant, worst, modes = 0, Counter(), 0.0, Counter()
-    for i in range(110):
-        config = (
-            CONFIGS[i % len(CONFIGS)] if i < len(CONFIGS) else CONFIGS[rng.integers(len(CONFIGS))]
-        )
-        tokens = int(rng.choice(TOKENS))
-        rank = int(rng.integers(2, 4))
+    for i, config, tokens, rank in draw_configs(rng, CONFIGS, 110, TOKENS):
         call, attrs = random_call(rng, config, tokens, rank)
         want = oracle(call, attrs)
         ort_out = ort_reference(call, attrs)
         assert ort_out is not None
-        assert rel_err(ort_out, want) <= TOL, f"ORT vs oracle, {config}"
+        assert rel_err(ort_out, want, zero_scale=1.0) <= TOL, f"ORT vs oracle, {config}"
         what = f"random {i}: {config} T={tokens} rank={rank} attrs={attrs}"
         errors = run_all_variants(kernel, call, attrs, want, what, ort_out=ort_out)
         runs += len(errors)
@@ -343,9 +224,7 @@ def test_random_chunked_cases(device, rng):
         config = configs[i % len(configs)]
         tokens = int(rng.choice([23, 40]))
         call, attrs = random_call(rng, config, tokens, int(rng.integers(2, 4)))
-        need = config[3] * config[2] * 4
-        largest = max(a.nbytes for a in call.values())
-        limits = {"maxStorageBufferBindingSize": max(largest, need * int(rng.integers(2, 5)))}
+        limits = chunk_limits(rng, call, k=config[3], inter=config[2])
         plan = kernel.plan(attrs=attrs, device_limits=limits, **call)
         assert plan.scope.lookup("hiddenChunkCount") > 1, limits
         errors = run_all_variants(
@@ -371,8 +250,8 @@ def test_the_modes_ort_lacks_match_their_interleaved_form(device, rng):
         assert new_attrs["swiglu_fusion"] == 1 and "fc3T" not in new_call
         kernel_out = kernel(attrs=attrs, poison_outputs=True, **call)["outputT"]
         interleaved_out = kernel(attrs=new_attrs, poison_outputs=True, **new_call)["outputT"]
-        assert rel_err(kernel_out, interleaved_out) <= TOL
-        _checked(kernel_out, ort_reference(call, attrs), f"{config} vs ORT (interleaved form)")
+        assert rel_err(kernel_out, interleaved_out, zero_scale=1.0) <= TOL
+        checked(kernel_out, ort_reference(call, attrs), f"{config} vs ORT (interleaved form)")
 
 
 def test_decode_prefers_gemv_and_prefill_grouped(device, rng):

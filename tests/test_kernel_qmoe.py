@@ -25,17 +25,26 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import (
+    SMALL_TUNABLES,
+    TOL,
+    checked,
+    chunk_limits,
+    draw_configs,
+    rel_err,
+    run_all_variants,
+)
 
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.device import default_device
 from onnx_moe_fuse.kernels.manifest import load_manifest, parse_manifest
 from onnx_moe_fuse.kernels.planner import DeviceFacts, KernelCallError, make_plan
 from onnx_moe_fuse.kernels.runtime import Kernel, get_kernel, package_folders
-from onnx_moe_fuse.oracles.moe import qmoe, route_qmoe
+from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
 from onnx_moe_fuse.oracles.quant import quantize_symmetric
+from onnx_moe_fuse.ort_nodes import run_kernel_node
 
 ort = pytest.importorskip("onnxruntime")
-from onnx import helper  # noqa: E402
 
 FOLDER = next(f for f in package_folders() if f.name == "qmoe")
 CASES = load_cases(FOLDER / "test.json")
@@ -47,64 +56,14 @@ VARIANTS = [
     "quant_split_routed",
 ]
 SGMAT = "quant_grouped_sgmat_routed"
-#: Lets the gemv variant run at test sizes (its default wants >= 4 words per lane at 32 lanes).
-SMALL_TUNABLES = {"decodeLanes": 8, "decodeMinLaneTrips": 1}
-TOL = 1e-4
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|`` (absolute when ``want`` is all zeros)."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if got.size == 0:
-        return 0.0
-    scale = max(float(np.abs(want).max()), 1e-30) if np.abs(want).max() > 0 else 1.0
-    return float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max() / scale)
-
-
-def _checked(out: np.ndarray, want: np.ndarray, what: str) -> float:
-    assert out.dtype == np.float32, f"{what}: dtype {out.dtype}"
-    assert not np.isnan(out).any(), f"{what}: unwritten (poisoned) or NaN output elements"
-    err = rel_err(out, want)
-    assert err <= TOL, f"{what}: relative error {err:.3g} > {TOL}"
-    return err
 
 
 # -- references ---------------------------------------------------------------------------
 
 
-def _block(attrs: dict) -> int | None:
-    return attrs.get("block_size") or None
-
-
 def oracle(call: dict, attrs: dict) -> np.ndarray:
     """The numpy oracle; inter_size 0 (which the oracle and ORT refuse) by definition."""
-    x, router = call["inputT"], call["routerT"]
-    if call["fc2T"].shape[2] == 0:
-        out = np.zeros((x.size // x.shape[-1], x.shape[-1]))
-        bias = call.get("fc2BiasT")
-        if bias is not None and out.shape[0]:
-            idx, weights = route_qmoe(router, attrs["k"])
-            out = (weights[..., None] * bias[idx].astype(np.float64)).sum(axis=1)
-        return out.reshape(x.shape).astype(np.float32)
-    return qmoe(
-        x,
-        router,
-        call["fc1T"],
-        call["fc1ScalesT"],
-        call["fc2T"],
-        call["fc2ScalesT"],
-        k=attrs["k"],
-        activation_type=attrs["activation_type"],
-        expert_weight_bits=attrs["expert_weight_bits"],
-        block_size=_block(attrs),
-        swiglu_fusion=attrs["swiglu_fusion"],
-        activation_alpha=attrs.get("activation_alpha", 1.0),
-        activation_beta=attrs.get("activation_beta", 0.0),
-        swiglu_limit=attrs.get("swiglu_limit"),
-        fc1_bias=call.get("fc1BiasT"),
-        fc2_bias=call.get("fc2BiasT"),
-        normalize_routing_weights=attrs.get("normalize_routing_weights", 0),
-    )
+    return KERNEL_ORACLES["QMoE"](call, attrs)["outputT"]
 
 
 def ort_has_mode(call: dict, attrs: dict) -> bool:
@@ -118,108 +77,7 @@ def ort_has_mode(call: dict, attrs: dict) -> bool:
 
 def run_ort_qmoe(call: dict, attrs: dict) -> np.ndarray:
     """One QMoE node on ORT CPU, inputs at ORT's positions, every attribute written."""
-    order = [
-        call["inputT"],
-        call["routerT"],
-        call["fc1T"],
-        call["fc1ScalesT"],
-        call.get("fc1BiasT"),
-        call["fc2T"],
-        call["fc2ScalesT"],
-        call.get("fc2BiasT"),
-    ]
-    full = {
-        "k": attrs["k"],
-        "activation_type": attrs["activation_type"],
-        "expert_weight_bits": attrs["expert_weight_bits"],
-        "swiglu_fusion": attrs["swiglu_fusion"],
-        "activation_alpha": float(attrs.get("activation_alpha", 1.0)),
-        "activation_beta": float(attrs.get("activation_beta", 0.0)),
-        "normalize_routing_weights": attrs.get("normalize_routing_weights", 0),
-        "use_sparse_mixer": 0,
-        "quant_type": "int",
-        "weights_prepacked": 0,
-        "accuracy_level": 0,
-        "swiglu_limit_after_activation": 0,
-    }
-    if _block(attrs):
-        full["block_size"] = attrs["block_size"]
-    if "swiglu_limit" in attrs:
-        full["swiglu_limit"] = float(attrs["swiglu_limit"])
-    return _run_ort_node("QMoE", order, full)
-
-
-def _run_ort_node(op: str, inputs: list, attrs: dict) -> np.ndarray:
-    names, graph_inputs, feeds = [], [], {}
-    for i, arr in enumerate(inputs):
-        if arr is None:
-            names.append("")
-            continue
-        names.append(f"in{i}")
-        elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        graph_inputs.append(helper.make_tensor_value_info(f"in{i}", elem, arr.shape))
-        feeds[f"in{i}"] = arr
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node(op, names, ["out"], domain="com.microsoft", **attrs)
-    out = helper.make_tensor_value_info(
-        "out", helper.np_dtype_to_tensor_dtype(np.dtype(np.float32)), None
-    )
-    model = helper.make_model(
-        helper.make_graph([node], "g", graph_inputs, [out]),
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
-    )
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 4
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(["out"], feeds)[0]
-
-
-# -- running every eligible variant -------------------------------------------------------
-
-
-def eligible(kernel: Kernel, call: dict, attrs: dict, limits: dict, tunables: dict) -> dict:
-    """Variant -> the tunables under which its ``when`` holds (the call's, else smaller)."""
-    found: dict[str, dict] = {}
-    for tun in (tunables, {**SMALL_TUNABLES, **tunables}):
-        plan = kernel.plan(attrs=attrs, tunables=tun, device_limits=limits, **call)
-        for vid in kernel.variants:
-            if vid not in plan.rejected and vid not in found:
-                found[vid] = tun
-    return found
-
-
-def run_all_variants(
-    kernel: Kernel,
-    call: dict,
-    attrs: dict,
-    want: np.ndarray,
-    what: str,
-    limits: dict | None = None,
-    tunables: dict | None = None,
-    ort_out: np.ndarray | None = None,
-) -> dict[str, float]:
-    """Run every eligible variant (forced); check each against ``want`` (and ORT)."""
-    limits, tunables = limits or {}, tunables or {}
-    errors = {}
-    for vid, tun in eligible(kernel, call, attrs, limits, tunables).items():
-        out = kernel(
-            attrs=attrs,
-            variant=vid,
-            tunables=tun,
-            device_limits=limits,
-            poison_outputs=True,
-            **call,
-        )["outputT"]
-        assert out.shape == want.shape, f"{what} {vid}: shape {out.shape} != {want.shape}"
-        errors[vid] = _checked(out, want, f"{what} [{vid}] vs oracle")
-        if ort_out is not None:
-            _checked(out, ort_out, f"{what} [{vid}] vs ORT")
-    assert errors, f"{what}: no variant accepts the call"
-    return errors
+    return run_kernel_node("QMoE", call, attrs)
 
 
 def _subgroup_rejection_ok(plan_rejected: dict, device) -> None:
@@ -255,7 +113,7 @@ def test_case(device, rng, case):
     ort_out = run_ort_qmoe(call, case.attrs) if ort_has_mode(call, case.attrs) else None
     if ort_out is not None:
         # The oracle's own agreement with ORT (pinned in tests/oracles) holds here too.
-        assert rel_err(ort_out, want) <= TOL
+        assert rel_err(ort_out, want, zero_scale=1.0) <= TOL
     errors = run_all_variants(
         kernel, call, case.attrs, want, case.name, case.device_limits, case.tunables, ort_out
     )
@@ -334,12 +192,7 @@ def test_random_cases(device, rng):
     """At least 200 (case, variant) runs over every option, each against oracle and ORT."""
     kernel = get_kernel("com.microsoft.QMoE")
     runs, ort_runs, per_variant, worst = 0, 0, Counter(), 0.0
-    for i in range(120):
-        config = (
-            CONFIGS[i % len(CONFIGS)] if i < len(CONFIGS) else CONFIGS[rng.integers(len(CONFIGS))]
-        )
-        tokens = int(rng.choice(TOKENS))
-        rank = int(rng.integers(2, 4))
+    for i, config, tokens, rank in draw_configs(rng, CONFIGS, 120, TOKENS):
         call, attrs = random_call(rng, config, tokens, rank)
         want = oracle(call, attrs)
         ort_out = run_ort_qmoe(call, attrs) if ort_has_mode(call, attrs) else None
@@ -368,9 +221,7 @@ def test_random_chunked_cases(device, rng):
         config = configs[i % len(configs)]
         tokens = int(rng.choice([23, 40]))
         call, attrs = random_call(rng, config, tokens, int(rng.integers(2, 4)))
-        need = config[3] * config[2] * 4  # one token's hidden activations
-        largest = max(a.nbytes for a in call.values())  # every tensor must still fit
-        limits = {"maxStorageBufferBindingSize": max(largest, need * int(rng.integers(2, 5)))}
+        limits = chunk_limits(rng, call, k=config[3], inter=config[2])
         plan = kernel.plan(attrs=attrs, device_limits=limits, **call)
         assert plan.scope.lookup("hiddenChunkCount") > 1, limits
         want = oracle(call, attrs)
@@ -474,7 +325,7 @@ def test_grouped_subgroup_kernel_at_the_measured_subgroup_width(device, rng):
             continue
         assert plan.variant_id == SGMAT
         out = kernel(attrs=attrs, variant=SGMAT, poison_outputs=True, **call)["outputT"]
-        _checked(out, oracle(call, attrs), f"sgmat@{width} {i}: {config} T={tokens}")
+        checked(out, oracle(call, attrs), f"sgmat@{width} {i}: {config} T={tokens}")
         runs += 1
     assert runs >= 12
 

@@ -4,6 +4,8 @@
 * :mod:`.moe`: ORT ``com.microsoft.MoE`` and ``com.microsoft.QMoE``.
 * :mod:`.matmul_nbits_qkv`: RMSNorm, ``MatMulNBits`` and ``com.microsoft.MatMulNBitsQkv``.
 * :mod:`.quant`: QMoE / MatMulNBits weight packing and symmetric quantisation.
+* :mod:`.kernel_calls`: the above keyed by kernel bind keys (``KERNEL_ORACLES``), as the kernel
+  tests, the benchmarks and the self-check call them.
 
 Conventions and what was measured against ONNX Runtime: ``docs/oracles.md``.
 

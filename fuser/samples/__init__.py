@@ -126,17 +126,22 @@ class Sample:
         }
 
 
-def _make(entry: Entry) -> Sample:
-    spec = entry.spec
-    model = build_layer(spec)
+def _annotate(model: onnx.ModelProto, entry: Entry | QkvEntry) -> None:
+    """Write the entry's description, name, expected fusions and near-miss reason into the model."""
     model.doc_string = entry.description
     meta = {
-        "onnx_moe_fuse.sample": spec.name,
+        "onnx_moe_fuse.sample": entry.spec.name,
         "onnx_moe_fuse.expected": json.dumps([[op, n] for op, n in entry.expected]),
     }
     if entry.near_miss_reason:
         meta["onnx_moe_fuse.near_miss_reason"] = entry.near_miss_reason
     onnx.helper.set_model_props(model, meta)
+
+
+def _make(entry: Entry) -> Sample:
+    spec = entry.spec
+    model = build_layer(spec)
+    _annotate(model, entry)
     dims = {"T": 5} if spec.rank == 2 else {"B": 2, "S": 3}
     return Sample(
         name=spec.name,
@@ -178,14 +183,7 @@ _QKV_WEIGHTS = {
 def _make_qkv(entry: QkvEntry) -> Sample:
     spec = entry.spec
     model = build_qkv(spec)
-    model.doc_string = entry.description
-    meta = {
-        "onnx_moe_fuse.sample": spec.name,
-        "onnx_moe_fuse.expected": json.dumps([[op, n] for op, n in entry.expected]),
-    }
-    if entry.near_miss_reason:
-        meta["onnx_moe_fuse.near_miss_reason"] = entry.near_miss_reason
-    onnx.helper.set_model_props(model, meta)
+    _annotate(model, entry)
     return Sample(
         name=spec.name,
         model=model,

@@ -15,47 +15,20 @@ Random inputs are fresh each run (seed in the messages; ``TEST_SEED`` replays on
 
 from __future__ import annotations
 
-import os
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from helpers import altered, rel_err, seeded_rng
 
 from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits, matmul_nbits_qkv, rms_norm
 from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
+from onnx_moe_fuse.ort_nodes import node_model, run_node, run_qkv_composition, session
 
 ort = pytest.importorskip("onnxruntime")
 
 TOL = {np.float32: 1e-5, np.float16: 5e-3}
 EPSILON = 1e-6
-
-
-def _rng() -> tuple[np.random.Generator, int]:
-    seed = int(os.environ.get("TEST_SEED", secrets.randbits(32)))
-    return np.random.default_rng(seed), seed
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|``."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    want64 = want.astype(np.float64)
-    return float(np.abs(got.astype(np.float64) - want64).max() / max(np.abs(want64).max(), 1e-30))
-
-
-def _session(nodes, inputs, outputs, initializers):
-    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=initializers)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
-    )
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 4
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 @dataclass(frozen=True)
@@ -103,76 +76,34 @@ def _make_data(case: QkvCase, rng: np.random.Generator) -> dict:
 
 
 def _ort_composition(case: QkvCase, d: dict) -> list[np.ndarray]:
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(case.dtype))
-    inputs = [helper.make_tensor_value_info("A", elem, d["a"].shape)]
-    feeds = {"A": d["a"]}
-    inits = [numpy_helper.from_array(d["norm_scale"], "gamma")]
-    if case.skip:
-        inputs.append(helper.make_tensor_value_info("skip", elem, d["skip"].shape))
-        feeds["skip"] = d["skip"]
-        norm = helper.make_node(
-            "SkipSimplifiedLayerNormalization",
-            ["A", "skip", "gamma"],
-            ["normed", "", "", "residual"],
-            domain="com.microsoft",
-            epsilon=EPSILON,
-        )
-    else:
-        norm = helper.make_node(
-            "SimplifiedLayerNormalization",
-            ["A", "gamma"],
-            ["normed"],
-            axis=-1,
-            epsilon=EPSILON,
-            stash_type=1,
-        )
-    nodes = [norm]
-    out_names = ["Q", "K", "V"] + (["residual"] if case.skip else [])
-    for name, n, out in (("q", case.nq, "Q"), ("k", case.nkv, "K"), ("v", case.nkv, "V")):
-        inits += [
-            numpy_helper.from_array(d[f"{name}_b"], f"{name}_B"),
-            numpy_helper.from_array(d[f"{name}_scales"], f"{name}_scales"),
-        ]
-        nodes.append(
-            helper.make_node(
-                "MatMulNBits",
-                ["normed", f"{name}_B", f"{name}_scales"],
-                [out],
-                domain="com.microsoft",
-                K=case.k,
-                N=n,
-                bits=4,
-                block_size=32,
-                accuracy_level=0,
-            )
-        )
-    outputs = [helper.make_tensor_value_info(o, elem, None) for o in out_names]
-    return _session(nodes, inputs, outputs, inits).run(out_names, feeds)
+    """ORT's composition on the case: Q, K, V and, with skip, the residual."""
+    call = {
+        "aT": d["a"],
+        "skipT": d["skip"],
+        "normScaleT": d["norm_scale"],
+        **{f"{p}BT": d[f"{p}_b"] for p in "qkv"},
+        **{f"{p}ScalesT": d[f"{p}_scales"] for p in "qkv"},
+    }
+    out = run_qkv_composition(call, _qkv_attrs(case))
+    return [out[key] for key in ("qT", "kT", "vT", "residualT") if key in out]
+
+
+#: The oracle's array arguments, in order, as named in ``_make_data``.
+ARGS = ("a", "skip", "norm_scale", "q_b", "q_scales", "k_b", "k_scales", "v_b", "v_scales")
+
+
+def _qkv_attrs(case: QkvCase) -> dict:
+    """The MatMulNBitsQkv attributes of a case (4-bit weights in blocks of 32)."""
+    return dict(K=case.k, Nq=case.nq, Nkv=case.nkv, block_size=32, bits=4, epsilon=EPSILON)
 
 
 def _oracle(case: QkvCase, d: dict):
-    return matmul_nbits_qkv(
-        d["a"],
-        d["skip"],
-        d["norm_scale"],
-        d["q_b"],
-        d["q_scales"],
-        d["k_b"],
-        d["k_scales"],
-        d["v_b"],
-        d["v_scales"],
-        K=case.k,
-        Nq=case.nq,
-        Nkv=case.nkv,
-        block_size=32,
-        bits=4,
-        epsilon=EPSILON,
-    )
+    return matmul_nbits_qkv(*(d[n] for n in ARGS), **_qkv_attrs(case))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_qkv_matches_ort_composition(case: QkvCase):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     d = _make_data(case, rng)
     q, k, v, residual = _oracle(case, d)
     got = _ort_composition(case, d)
@@ -202,31 +133,14 @@ NBITS_CASES = [
     ids=[f"{b}b-blk{bl}-K{k}-{np.dtype(t).name}" for b, bl, k, t in NBITS_CASES],
 )
 def test_matmul_nbits_matches_ort(bits, block, k, dtype):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     n = 24
     b, scales = quantize_matmul_nbits(
         rng.standard_normal((n, k)), bits, block, rng, scale_dtype=dtype
     )
     a = rng.standard_normal((2, 3, k)).astype(dtype)
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    node = helper.make_node(
-        "MatMulNBits",
-        ["A", "B", "S"],
-        ["Y"],
-        domain="com.microsoft",
-        K=k,
-        N=n,
-        bits=bits,
-        block_size=block,
-        accuracy_level=0,
-    )
-    sess = _session(
-        [node],
-        [helper.make_tensor_value_info("A", elem, a.shape)],
-        [helper.make_tensor_value_info("Y", elem, None)],
-        [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")],
-    )
-    got = sess.run(["Y"], {"A": a})[0]
+    attrs = dict(K=k, N=n, bits=bits, block_size=block, accuracy_level=0)
+    got = run_node("MatMulNBits", [a, b, scales], attrs, const=(1, 2))
     want = matmul_nbits(a, b, scales, bits, block)
     assert want.dtype == np.dtype(dtype) and want.shape == (2, 3, n)
     err = rel_err(got, want)
@@ -234,7 +148,7 @@ def test_matmul_nbits_matches_ort(bits, block, k, dtype):
 
 
 def test_rms_norm_properties():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     a = rng.standard_normal((4, 64))
     skip = rng.standard_normal((4, 64))
     normed, residual = rms_norm(a, np.ones(64), 0.0, skip)
@@ -248,33 +162,19 @@ def test_rms_norm_properties():
 
 
 def test_pin_matmul_nbits_qkv_has_no_cpu_kernel():
-    rng, _ = _rng()
+    rng, _ = seeded_rng()
     case = QkvCase(np.float32, (2,), False)
     d = _make_data(case, rng)
-    inits = [
-        numpy_helper.from_array(d[n], n)
-        for n in ("norm_scale", "q_b", "q_scales", "k_b", "k_scales", "v_b", "v_scales")
-    ]
-    node = helper.make_node(
+    weights = [d[n] for n in ("q_b", "q_scales", "k_b", "k_scales", "v_b", "v_scales")]
+    model, _ = node_model(
         "MatMulNBitsQkv",
-        ["A", "", "norm_scale", "q_b", "q_scales", "", "k_b", "k_scales", "", "v_b", "v_scales"],
-        ["Q", "K", "V"],
-        domain="com.microsoft",
-        K=case.k,
-        Nq=case.nq,
-        Nkv=case.nkv,
-        block_size=32,
-        bits=4,
-        epsilon=EPSILON,
-        accuracy_level=0,
+        [d["a"], None, d["norm_scale"], *weights[:2], None, *weights[2:4], None, *weights[4:]],
+        {**_qkv_attrs(case), "accuracy_level": 0},
+        const=(2, 3, 4, 6, 7, 9, 10),
+        outputs=("Q", "K", "V"),
     )
     with pytest.raises(Exception, match="Could not find an implementation for MatMulNBitsQkv"):
-        _session(
-            [node],
-            [helper.make_tensor_value_info("A", TensorProto.FLOAT, d["a"].shape)],
-            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in "QKV"],
-            inits,
-        )
+        session(model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,29 +186,11 @@ def _valid() -> tuple[list, dict]:
     rng = np.random.default_rng(0)
     case = QkvCase(np.float32, (2,), True, k=64, nq=32, nkv=16)
     d = _make_data(case, rng)
-    args = [
-        d[n]
-        for n in (
-            "a",
-            "skip",
-            "norm_scale",
-            "q_b",
-            "q_scales",
-            "k_b",
-            "k_scales",
-            "v_b",
-            "v_scales",
-        )
-    ]
-    return args, dict(K=64, Nq=32, Nkv=16, block_size=32, bits=4, epsilon=EPSILON)
+    return [d[n] for n in ARGS], _qkv_attrs(case)
 
 
 def _with(i: int | None = None, value=None, **kw):
-    args, kwargs = _valid()
-    if i is not None:
-        args[i] = value
-    kwargs.update(kw)
-    return args, kwargs
+    return altered(_valid(), i, value, **kw)
 
 
 QKV_ERRORS = [

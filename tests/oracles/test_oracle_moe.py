@@ -15,80 +15,20 @@ Random inputs are fresh each run (seed in the messages; ``TEST_SEED`` replays on
 from __future__ import annotations
 
 import math
-import os
-import secrets
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from helpers import altered, rel_err, seeded_rng
 
 from onnx_moe_fuse.oracles import moe as moe_oracle
 from onnx_moe_fuse.oracles.moe import moe
+from onnx_moe_fuse.ort_nodes import run_node
 
 ort = pytest.importorskip("onnxruntime")
 
 EXACT = 1e-4
 FLOAT16 = 5e-3
-
-
-def _rng() -> tuple[np.random.Generator, int]:
-    seed = int(os.environ.get("TEST_SEED", secrets.randbits(32)))
-    return np.random.default_rng(seed), seed
-
-
-def run_ort_node(
-    op_type: str,
-    inputs: Sequence[np.ndarray | None],
-    attrs: dict,
-    *,
-    const: Collection[int] = (),
-    domain: str = "com.microsoft",
-) -> np.ndarray:
-    """Run one node on ORT CPU: ``None`` inputs become ``""``, ``const`` are initializers."""
-    names: list[str] = []
-    graph_inputs, initializers, feeds = [], [], {}
-    for i, arr in enumerate(inputs):
-        if arr is None:
-            names.append("")
-            continue
-        name = f"in{i}"
-        names.append(name)
-        if i in const:
-            initializers.append(numpy_helper.from_array(arr, name))
-        else:
-            elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
-            graph_inputs.append(helper.make_tensor_value_info(name, elem, arr.shape))
-            feeds[name] = arr
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node(op_type, names, ["out"], domain=domain, **attrs)
-    out_elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
-    graph = helper.make_graph(
-        [node],
-        "g",
-        graph_inputs,
-        [helper.make_tensor_value_info("out", out_elem, None)],
-        initializer=initializers,
-    )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)],
-        ir_version=10,
-    )
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 4
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(["out"], feeds)[0]
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|``."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 @dataclass(frozen=True)
@@ -216,7 +156,7 @@ def _ort_moe(d: dict, attrs: dict) -> np.ndarray:
         d.get("fc3"),
         d.get("fc3_bias"),
     ]
-    return run_ort_node("MoE", inputs, attrs, const=(2, 3, 4, 5, 6, 7))
+    return run_node("MoE", inputs, attrs, const=(2, 3, 4, 5, 6, 7))
 
 
 def _oracle(d: dict, case: MCase, **over) -> np.ndarray:
@@ -239,7 +179,7 @@ def _oracle(d: dict, case: MCase, **over) -> np.ndarray:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_moe_matches_ort(case: MCase):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     d = _make_data(case, rng)
     want = _oracle(d, case)
     assert want.dtype == np.float32 and want.shape == d["input"].shape
@@ -280,7 +220,7 @@ SWIGLU_PARAMS = [
     "params", SWIGLU_PARAMS, ids=lambda p: "a{alpha}-b{beta}-lim{limit}".format(**p)
 )
 def test_swiglu_fusion_0_and_2_equal_interleaved_which_equals_ort(params):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     e, h, inter, k = 4, 32, 16, 2
     p = _split_gate_linear(rng, e, h, inter)
     x = (3.0 * rng.standard_normal((5, h))).astype(np.float32)
@@ -332,7 +272,7 @@ def test_swiglu_fusion_0_and_2_equal_interleaved_which_equals_ort(params):
 @pytest.mark.parametrize("with_fc3_bias", [False, True])
 def test_silu_with_fc3_equals_plain_swiglu_which_equals_ort(with_fc3_bias):
     # silu(fc1 x) * (fc3 x) is swiglu with alpha 1, beta 0 and no limit.
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     e, h, inter = 4, 32, 16
     p = {n: v.astype(np.float32) for n, v in _split_gate_linear(rng, e, h, inter).items()}
     x = rng.standard_normal((2, 3, h)).astype(np.float32)
@@ -371,7 +311,7 @@ def test_silu_with_fc3_equals_plain_swiglu_which_equals_ort(with_fc3_bias):
 
 @pytest.mark.parametrize("fusion", [0, 2])
 def test_pin_ort_cpu_refuses_swiglu_fusion_0_and_2(fusion):
-    rng, _ = _rng()
+    rng, _ = seeded_rng()
     case = MCase("swiglu", k=2, normalize=1, swiglu_fusion=fusion)
     d = _make_data(case, rng)
     if fusion == 0:
@@ -381,7 +321,7 @@ def test_pin_ort_cpu_refuses_swiglu_fusion_0_and_2(fusion):
 
 
 def test_pin_ort_cpu_refuses_fc3():
-    rng, _ = _rng()
+    rng, _ = seeded_rng()
     case = MCase("silu", k=2, normalize=1)
     d = _make_data(case, rng)
     d["fc3"] = (rng.standard_normal((4, 16, 32)) / 6).astype(np.float32)
@@ -390,7 +330,7 @@ def test_pin_ort_cpu_refuses_fc3():
 
 
 def test_pin_ort_cpu_refuses_swiglu_limit_after_activation():
-    rng, _ = _rng()
+    rng, _ = seeded_rng()
     case = MCase("swiglu", k=2, normalize=1, swiglu_fusion=1, limit=7.0)
     d = _make_data(case, rng)
     with pytest.raises(Exception, match="swiglu_limit_after_activation"):
@@ -398,7 +338,7 @@ def test_pin_ort_cpu_refuses_swiglu_limit_after_activation():
 
 
 def test_pin_normalize_routing_weights_changes_moe():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case0 = MCase("relu", k=2, normalize=0, bias=True)
     case1 = MCase("relu", k=2, normalize=1, bias=True)
     d = _make_data(case0, rng)
@@ -413,7 +353,7 @@ def test_pin_normalize_routing_weights_changes_moe():
 
 @pytest.mark.parametrize("act", ["silu", "gelu", "relu", "identity"])
 def test_pin_alpha_and_beta_only_affect_swiglu(act):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = MCase(act, k=2, normalize=1, alpha=2.0, beta=0.5)
     d = _make_data(case, rng)
     want = _oracle(d, case)
@@ -422,7 +362,7 @@ def test_pin_alpha_and_beta_only_affect_swiglu(act):
 
 
 def test_pin_gelu_is_the_tanh_approximation():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     h = 16
     x = rng.uniform(-4.0, 4.0, size=(8, h)).astype(np.float32)
     eye = np.eye(h, dtype=np.float32)[None]
@@ -445,7 +385,7 @@ def test_pin_gelu_is_the_tanh_approximation():
 
 @pytest.mark.parametrize("normalize", [0, 1])
 def test_pin_ties_select_the_highest_expert_index(normalize):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = MCase("swiglu", k=2, normalize=normalize, swiglu_fusion=1, bias=True)
     d = _make_data(case, rng)
     d["input"] = d["input"][:4]
@@ -478,11 +418,7 @@ def _valid(act: str = "relu", fusion: int = 0) -> tuple[list, dict]:
 
 
 def _with(i: int | None = None, value=None, act: str = "relu", fusion: int = 0, **kw):
-    args, kwargs = _valid(act, fusion)
-    if i is not None:
-        args[i] = value
-    kwargs.update(kw)
-    return args, kwargs
+    return altered(_valid(act, fusion), i, value, **kw)
 
 
 _FC3 = np.ones((4, 6, 8), np.float32)

@@ -15,82 +15,23 @@ Random inputs are fresh each run (seed in the messages; ``TEST_SEED`` replays on
 from __future__ import annotations
 
 import math
-import os
-import secrets
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from helpers import altered, rel_err, seeded_rng
 
 from onnx_moe_fuse.oracles import moe as moe_oracle
 from onnx_moe_fuse.oracles.moe import qmoe
 from onnx_moe_fuse.oracles.quant import dequantize_qmoe, pack_qmoe, quantize_symmetric
+from onnx_moe_fuse.ort_nodes import run_node
 
 ort = pytest.importorskip("onnxruntime")
 
 EXACT = 1e-4
 # Block-wise 8-bit with constant weights: ORT CPU's MLAS path quantises activations to int8.
 BLOCKWISE_8BIT_CONST = 6e-2
-
-
-def _rng() -> tuple[np.random.Generator, int]:
-    seed = int(os.environ.get("TEST_SEED", secrets.randbits(32)))
-    return np.random.default_rng(seed), seed
-
-
-def run_ort_node(
-    op_type: str,
-    inputs: Sequence[np.ndarray | None],
-    attrs: dict,
-    *,
-    const: Collection[int] = (),
-    domain: str = "com.microsoft",
-) -> np.ndarray:
-    """Run one node on ORT CPU: ``None`` inputs become ``""``, ``const`` are initializers."""
-    names: list[str] = []
-    graph_inputs, initializers, feeds = [], [], {}
-    for i, arr in enumerate(inputs):
-        if arr is None:
-            names.append("")
-            continue
-        name = f"in{i}"
-        names.append(name)
-        if i in const:
-            initializers.append(numpy_helper.from_array(arr, name))
-        else:
-            elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
-            graph_inputs.append(helper.make_tensor_value_info(name, elem, arr.shape))
-            feeds[name] = arr
-    while names and not names[-1]:
-        names.pop()
-    node = helper.make_node(op_type, names, ["out"], domain=domain, **attrs)
-    out_elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
-    graph = helper.make_graph(
-        [node],
-        "g",
-        graph_inputs,
-        [helper.make_tensor_value_info("out", out_elem, None)],
-        initializer=initializers,
-    )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)],
-        ir_version=10,
-    )
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(["out"], feeds)[0]
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """``max|got - want| / max|want|``."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +178,7 @@ def _ort_qmoe(d: dict, attrs: dict, const: Collection[int] = (2, 3, 5, 6)) -> np
         d["fc2_bias"],
     ]
     const = set(const) | ({4, 7} if d["fc1_bias"] is not None else set())
-    return run_ort_node("QMoE", inputs, attrs, const=const)
+    return run_node("QMoE", inputs, attrs, const=const)
 
 
 def _oracle(d: dict, case: QCase, normalize: int = 0) -> np.ndarray:
@@ -264,7 +205,7 @@ def _oracle(d: dict, case: QCase, normalize: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_qmoe_matches_ort(case: QCase):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     d = _make_data(case, rng)
     want = _oracle(d, case)
     assert want.dtype == np.float32 and want.shape == d["input"].shape
@@ -280,7 +221,7 @@ def test_qmoe_matches_ort(case: QCase):
 
 
 def test_pin_normalize_routing_weights_0_and_1_are_identical_in_ort():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(4, None, "swiglu", k=2, bias=True)
     d = _make_data(case, rng)
     out0 = _ort_qmoe(d, _attrs(case, normalize=0))
@@ -294,7 +235,7 @@ def test_pin_normalize_routing_weights_0_and_1_are_identical_in_ort():
 def test_pin_routing_is_softmax_over_the_k_selected_logits():
     # Equivalent to "softmax over all E, top-k, renormalise": the MoE oracle with normalize=1
     # on the same (dequantised) weights gives the QMoE answer.
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(8, None, "relu", k=3, experts=6, bias=False)
     d = _make_data(case, rng)
     w1 = dequantize_qmoe(d["fc1"], d["fc1_scales"], 8, dtype=np.float64)
@@ -313,7 +254,7 @@ def test_pin_routing_is_softmax_over_the_k_selected_logits():
 def test_pin_interleaved_swiglu_row_order(bits):
     # Row 2j of FC1 is the gate, 2j+1 the linear operand: swapping the two must change ORT's
     # answer, and the oracle must follow ORT, not the swapped reading.
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(bits, None, "swiglu", k=2, limit=1.5, beta=0.5)
     d = _make_data(case, rng)
     got = _ort_qmoe(d, _attrs(case))
@@ -344,7 +285,7 @@ def _loop_qmoe_swiglu(d: dict, case: QCase, gate_clamp, linear_clamp) -> np.ndar
 
 
 def test_pin_swiglu_clamp_is_one_sided_on_the_gate_and_two_sided_on_the_linear():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     lim = 1.0
     case = QCase(4, None, "swiglu", k=2, limit=lim, alpha=1.702, beta=1.0, x_scale=2.0)
     d = _make_data(case, rng)
@@ -368,7 +309,7 @@ def test_pin_swiglu_clamp_is_one_sided_on_the_gate_and_two_sided_on_the_linear()
 
 
 def test_pin_blockwise_8bit_inexact_only_with_constant_weights():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(8, 32, "swiglu", k=2, hidden=128, inter=64, tokens=8)
     d = _make_data(case, rng)
     want = _oracle(d, case)
@@ -381,7 +322,7 @@ def test_pin_blockwise_8bit_inexact_only_with_constant_weights():
 
 @pytest.mark.parametrize(("accuracy_level", "exact"), [(0, True), (4, False)])
 def test_pin_blockwise_4bit_exact_unless_accuracy_level_4(accuracy_level, exact):
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(4, 32, "relu", k=2, hidden=128, inter=64, tokens=8)
     d = _make_data(case, rng)
     err = rel_err(_ort_qmoe(d, _attrs(case, accuracy_level=accuracy_level)), _oracle(d, case))
@@ -389,7 +330,7 @@ def test_pin_blockwise_4bit_exact_unless_accuracy_level_4(accuracy_level, exact)
 
 
 def test_pin_ties_select_the_highest_expert_index():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(4, None, "relu", k=2)
     d = _make_data(case, rng)
     d["input"] = d["input"][:4]
@@ -415,7 +356,7 @@ def test_pin_ties_select_the_highest_expert_index():
 
 
 def test_pin_gelu_is_the_tanh_approximation():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     h = 16
     x = rng.uniform(-4.0, 4.0, size=(8, h)).astype(np.float32)
     eye = np.broadcast_to(np.eye(h, dtype=np.uint8) + 128, (1, h, h)).copy()
@@ -423,7 +364,7 @@ def test_pin_gelu_is_the_tanh_approximation():
     case = QCase(8, None, "gelu", k=1, experts=1, hidden=h, inter=h)
     attrs = _attrs(case)
     router = np.zeros((8, 1), np.float32) + 0.25
-    got = run_ort_node(
+    got = run_node(
         "QMoE", [x, router, eye, ones, None, eye, ones], attrs, const=(2, 3, 5, 6)
     ).astype(np.float64)
     tanh_form = moe_oracle.gelu_tanh(x)
@@ -433,7 +374,7 @@ def test_pin_gelu_is_the_tanh_approximation():
 
 
 def test_pin_ort_cpu_refuses_concatenated_swiglu_and_the_oracle_agrees_by_reordering():
-    rng, seed = _rng()
+    rng, seed = seeded_rng()
     case = QCase(4, 32, "swiglu", k=2, limit=2.0, alpha=1.702, beta=1.0, bias=True)
     d = _make_data(case, rng)
     with pytest.raises(Exception, match="swiglu_fusion=1"):
@@ -467,7 +408,7 @@ def test_pin_ort_cpu_refuses_concatenated_swiglu_and_the_oracle_agrees_by_reorde
 
 @pytest.mark.parametrize("block_size", [8, 48])
 def test_pin_ort_and_oracle_refuse_block_sizes_that_are_not_powers_of_two_from_16(block_size):
-    rng, _ = _rng()
+    rng, _ = seeded_rng()
     case = QCase(4, 16, "relu", k=1, hidden=96, inter=48)
     d = _make_data(case, rng)
     e, n, _ = d["fc1_scales"].shape
@@ -516,11 +457,7 @@ def _valid_args(act: str = "relu") -> tuple[list, dict]:
 
 
 def _with(i: int | None = None, value=None, act: str = "relu", **kw):
-    args, kwargs = _valid_args(act)
-    if i is not None:
-        args[i] = value
-    kwargs.update(kw)
-    return args, kwargs
+    return altered(_valid_args(act), i, value, **kw)
 
 
 QMOE_ERRORS = [

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.numpy_helper
-import onnxruntime as ort
 import pytest
+from helpers import env_seed, expert_operands, initializer, nonzero_rel_err
 
-from onnx_moe_fuse.oracles.quant import pack_qmoe
+from onnx_moe_fuse.ort_nodes import session
 from onnx_moe_fuse.reference import random_feeds, reference_evaluator, run_reference
 from onnx_moe_fuse.samples import (
     DEFAULT_SAMPLE,
@@ -49,32 +48,11 @@ POSITIVE = [n for n, s in SAMPLES.items() if not s.is_near_miss]
 NEAR_MISSES = [n for n, s in SAMPLES.items() if s.is_near_miss]
 
 
-def fresh_seed() -> int:
-    env = os.environ.get("ONNX_MOE_FUSE_SEED")
-    if env:
-        return int(env)
-    return int(np.random.SeedSequence().entropy % (2**31))
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    scale = float(np.abs(expected).max())
-    assert scale > 0, "reference output is all zeros: the test would prove nothing"
-    return float(np.abs(actual.astype(np.float64) - expected).max() / scale)
-
-
 def feeds_for(sample: Sample, seed: int) -> dict[str, np.ndarray]:
     feeds = random_feeds(sample.model, seed, sample.dim_values)
     for name, value in feeds.items():
         assert np.abs(value).max() > 0, f"input {name} is all zeros (seed {seed})"
     return feeds
-
-
-def ort_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    # ORT's optimizer turns DequantizeLinear + MatMul into MatMulNBits with int8 activations.
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 # -- catalogue ---------------------------------------------------------------------------------
@@ -207,14 +185,15 @@ def test_checker(name: str) -> None:
 @pytest.mark.parametrize("name", DECOMPOSED)
 def test_decomposed_runs_in_ort_like_reference(name: str) -> None:
     s = SAMPLES[name]
-    seed = fresh_seed()
+    seed = env_seed()
     feeds = feeds_for(s, seed)
     ref = run_reference(s.model, feeds, check_shapes=True)
     names = [o.name for o in s.model.graph.output]
-    got = dict(zip(names, ort_session(s.model).run(None, feeds), strict=True))
+    sess = session(s.model, threads=None, log_severity_level=3)
+    got = dict(zip(names, sess.run(None, feeds), strict=True))
     for out, expected in ref.items():
         assert got[out].shape == expected.shape, f"{name}/{out} (seed {seed})"
-        err = rel_err(got[out], expected)
+        err = nonzero_rel_err(got[out], expected)
         assert err <= RTOL, f"{name}/{out}: ORT vs reference rel err {err:.2e} (seed {seed})"
 
 
@@ -222,80 +201,33 @@ def test_decomposed_runs_in_ort_like_reference(name: str) -> None:
 def test_grouped_matmul_matches_decomposed_twin(name: str) -> None:
     s = SAMPLES[name]
     twin = SAMPLES[s.twin or ""]
-    seed = fresh_seed()
+    seed = env_seed()
     feeds = feeds_for(s, seed)
     assert feeds.keys() == feeds_for(twin, seed).keys()
     a = run_reference(s.model, feeds, check_shapes=True)
     b = run_reference(twin.model, feeds, check_shapes=True)
     assert a.keys() == b.keys()
     for out in a:
-        err = rel_err(a[out], b[out])
+        err = nonzero_rel_err(a[out], b[out])
         assert err <= RTOL, f"{name} vs {twin.name}/{out}: rel err {err:.2e} (seed {seed})"
 
 
 # -- the recorded fusion is exact --------------------------------------------------------------
 
 
-def _init(model: onnx.ModelProto, name: str) -> np.ndarray:
-    for t in model.graph.initializer:
-        if t.name == name:
-            return onnx.numpy_helper.to_array(t)
-    raise KeyError(name)
-
-
-def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """Rows of gate and up ``[E, I, ...]`` interleaved into ``[E, 2I, ...]`` (gate even)."""
-    return np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
-
-
-def _qmoe_operand(model: onnx.ModelProto, name: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """QMoE unsigned codes ``[E, N, K]`` and scales ``[E, N(, K/block)]`` from DQ initializers."""
-    codes = _init(model, f"{name}_quant")
-    scale = _init(model, f"{name}_scale").transpose(0, 2, 1)  # [E, N, K/block]
-    if bits == 4:
-        unsigned = (codes.astype(np.int8).astype(np.int16) + 8).astype(np.uint8)
-    else:
-        assert np.all(_init(model, f"{name}_zero_point") == 128)
-        unsigned = codes
-        scale = scale[:, :, 0]  # one block over K: column-wise [E, N]
-    return unsigned.transpose(0, 2, 1), scale
-
-
 def fused_node_model(s: Sample, attrs: dict[str, int | float | str], op: str) -> onnx.ModelProto:
     """A one-node model ``op(tokens, logits)`` holding ``s``'s experts in ORT's layout."""
     m = s.model
-    names = {t.name for t in m.graph.initializer}
-    swiglu_separate = "fc1_gate_weight" in names or "fc1_gate_weight_quant" in names
     g = GraphText("fused")
     h = m.graph.input[0].type.tensor_type.shape.dim[-1].dim_value
-    e = _init(m, "router_weight").shape[1]
+    e = initializer(m, "router_weight").shape[1]
     g.add_input(f"float[M,{h}]", "tokens")
     g.add_input(f"float[M,{e}]", "logits")
     g.add_output(f"float[M,{h}]", "moe_out")
-    bias1 = g.add_initializer("b1", _init(m, "fc1_bias")) if "fc1_bias" in names else ""
-    bias2 = g.add_initializer("b2", _init(m, "fc2_bias")) if "fc2_bias" in names else ""
-    if op == "MoE":
-        if swiglu_separate:
-            gate = _init(m, "fc1_gate_weight").transpose(0, 2, 1)
-            fc1 = _interleave(gate, _init(m, "fc1_up_weight").transpose(0, 2, 1))
-        else:
-            fc1 = _init(m, "fc1_weight").transpose(0, 2, 1)
-        fc2 = _init(m, "fc2_weight").transpose(0, 2, 1)
-        w1, w2 = g.add_initializer("w1", fc1), g.add_initializer("w2", fc2)
-        inputs = ["tokens", "logits", w1, bias1, w2, bias2]
-    else:
-        bits = int(attrs["expert_weight_bits"])
-        if swiglu_separate:
-            gc, gs = _qmoe_operand(m, "fc1_gate_weight", bits)
-            uc, us = _qmoe_operand(m, "fc1_up_weight", bits)
-            c1, s1 = _interleave(gc, uc), _interleave(gs, us)
-        else:
-            c1, s1 = _qmoe_operand(m, "fc1_weight", bits)
-        c2, s2 = _qmoe_operand(m, "fc2_weight", bits)
-        w1 = g.add_initializer("w1", pack_qmoe(c1, bits))
-        w2 = g.add_initializer("w2", pack_qmoe(c2, bits))
-        sc1, sc2 = g.add_initializer("s1", s1), g.add_initializer("s2", s2)
-        inputs = ["tokens", "logits", w1, sc1, bias1, w2, sc2, bias2]
+    bits = None if op == "MoE" else int(attrs["expert_weight_bits"])
+    inputs = ["tokens", "logits"]
+    for key, value in expert_operands(m, op, bits).items():
+        inputs.append("" if value is None else g.add_initializer(key, value))
     while inputs[-1] == "":
         inputs.pop()
     g.node(op, inputs, "moe_out", domain="com.microsoft", **attrs)
@@ -320,14 +252,14 @@ def test_expected_fusion_is_exact(name: str) -> None:
     s = SAMPLES[name]
     ((op, _),) = s.expected
     fused = fused_node_model(s, s.expected_attributes, op)
-    seed = fresh_seed()
+    seed = env_seed()
     v = layer_values(s, feeds_for(s, seed))
     feeds = {"tokens": v["tokens"], "logits": v["logits"]}
     ref = run_reference(fused, feeds, check_shapes=True)["moe_out"]
-    err = rel_err(ref, v["moe_out"])
+    err = nonzero_rel_err(ref, v["moe_out"])
     assert err <= RTOL, f"{name}: oracle {op} vs layer rel err {err:.2e} (seed {seed})"
-    got = ort_session(fused).run(None, feeds)[0]
-    err = rel_err(got, v["moe_out"])
+    got = session(fused, threads=None, log_severity_level=3).run(None, feeds)[0]
+    err = nonzero_rel_err(got, v["moe_out"])
     assert err <= RTOL, f"{name}: ORT {op} vs layer rel err {err:.2e} (seed {seed})"
 
 
@@ -351,11 +283,11 @@ def test_near_miss_is_real(name: str) -> None:
     """The nearest fused node computes something else (the refusal is not over-cautious)."""
     s = SAMPLES[name]
     op, attrs = NEAREST_FUSION[s.near_miss_reason or ""]
-    seed = fresh_seed()
+    seed = env_seed()
     v = layer_values(s, feeds_for(s, seed))
     fused = fused_node_model(s, attrs, op)
     got = run_reference(fused, {"tokens": v["tokens"], "logits": v["logits"]})["moe_out"]
-    assert rel_err(got, v["moe_out"]) > 1e-2, f"{name}: fusing would be exact (seed {seed})"
+    assert nonzero_rel_err(got, v["moe_out"]) > 1e-2, f"{name}: fusing would be exact (seed {seed})"
 
 
 # -- reference helpers -------------------------------------------------------------------------
@@ -377,7 +309,7 @@ def test_random_feeds_shapes_and_seed() -> None:
 def test_reference_runs_declared_opset_29() -> None:
     s = get_sample("mixtral_gmm_f32")
     assert s.opset > onnx.defs.onnx_opset_version() or s.opset == 29
-    seed = fresh_seed()
+    seed = env_seed()
     out = run_reference(s.model, feeds_for(s, seed))
     assert out["y"].shape == (5, 64) and np.isfinite(out["y"]).all(), f"seed {seed}"
 
@@ -427,7 +359,7 @@ def test_generate_all_in_process(tmp_path: Path) -> None:
 def test_gptoss_clamps_are_active(name: str) -> None:
     """Random inputs push FC1 outputs past the limit 7, so a fusion that drops it is caught."""
     s = SAMPLES[name]
-    seed = fresh_seed()
+    seed = env_seed()
     v = reference_evaluator(s.model).run(None, feeds_for(s, seed), intermediate=True)
     gate_clamped = np.mean(v["gate"] > 7.0)
     up_clamped = np.mean(np.abs(v["up"]) > 7.0)
@@ -438,7 +370,7 @@ def test_reference_qmoe_zero_point_inputs() -> None:
     """Explicit symmetric zero points (inputs 11, 12) are accepted; any other value is refused."""
     s = SAMPLES[DEFAULT_SAMPLE]
     fused = fused_node_model(s, s.expected_attributes, "QMoE")
-    seed = fresh_seed()
+    seed = env_seed()
     v = layer_values(s, feeds_for(s, seed))
     feeds = {"tokens": v["tokens"], "logits": v["logits"]}
     plain = run_reference(fused, feeds)["moe_out"]

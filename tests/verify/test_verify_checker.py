@@ -16,10 +16,12 @@ import numpy as np
 import onnx
 import onnx_ir
 import pytest
+from helpers import expert_operands, initializer
 from onnx import helper, numpy_helper
 
 from onnx_moe_fuse.kernels.runtime import get_kernel
-from onnx_moe_fuse.oracles.quant import pack_qmoe, quantize_symmetric
+from onnx_moe_fuse.oracles.quant import quantize_symmetric
+from onnx_moe_fuse.ort_nodes import make_model
 from onnx_moe_fuse.samples import Sample, get_sample
 from onnx_moe_fuse.verify import (
     ORT_INT8_ACTIVATION_RTOL,
@@ -35,78 +37,28 @@ def _seeds(rng: np.random.Generator, n: int = 2) -> tuple[int, ...]:
     return tuple(int(s) for s in rng.integers(0, 2**31, n))
 
 
-def _init(model: onnx.ModelProto, name: str) -> np.ndarray:
-    for t in model.graph.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
-    raise KeyError(name)
-
-
-def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """Rows of gate and up ``[E, I, ...]`` interleaved into ``[E, 2I, ...]`` (gate even)."""
-    return np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
-
-
-def _qmoe_operand(model: onnx.ModelProto, name: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """QMoE unsigned codes ``[E, N, K]`` and scales from a DequantizeLinear's initializers."""
-    codes = _init(model, f"{name}_quant")
-    scale = _init(model, f"{name}_scale").transpose(0, 2, 1)
-    if bits == 4:
-        unsigned = (codes.astype(np.int8).astype(np.int16) + 8).astype(np.uint8)
-    else:
-        unsigned, scale = codes, scale[:, :, 0]
-    return unsigned.transpose(0, 2, 1), scale
-
-
 def fused_model(sample: Sample, op: str, **overrides: object) -> onnx.ModelProto:
     """``y = op(x, x @ router_weight (+ router_bias))`` with ``sample``'s experts and biases."""
     m = sample.model
     names = {t.name for t in m.graph.initializer}
-    separate = "fc1_gate_weight" in names or "fc1_gate_weight_quant" in names
     attrs = {**sample.expected_attributes, **overrides}
-    inits = {"router_weight": _init(m, "router_weight")}
-    b1 = "fc1_bias" if "fc1_bias" in names else ""
-    b2 = "fc2_bias" if "fc2_bias" in names else ""
-    for bias in (b1, b2):
-        if bias:
-            inits[bias] = _init(m, bias)
-    if op == "MoE":
-        if separate:
-            gate = _init(m, "fc1_gate_weight").transpose(0, 2, 1)
-            inits["w1"] = _interleave(gate, _init(m, "fc1_up_weight").transpose(0, 2, 1))
-        else:
-            inits["w1"] = _init(m, "fc1_weight").transpose(0, 2, 1)
-        inits["w2"] = _init(m, "fc2_weight").transpose(0, 2, 1)
-        inputs = ["x", "logits", "w1", b1, "w2", b2]
-    else:
-        bits = int(attrs["expert_weight_bits"])  # type: ignore[call-overload]
-        if separate:
-            gc, gs = _qmoe_operand(m, "fc1_gate_weight", bits)
-            uc, us = _qmoe_operand(m, "fc1_up_weight", bits)
-            c1, s1 = _interleave(gc, uc), _interleave(gs, us)
-        else:
-            c1, s1 = _qmoe_operand(m, "fc1_weight", bits)
-        c2, s2 = _qmoe_operand(m, "fc2_weight", bits)
-        inits["w1"], inits["s1"] = pack_qmoe(c1, bits), s1
-        inits["w2"], inits["s2"] = pack_qmoe(c2, bits), s2
-        inputs = ["x", "logits", "w1", "s1", b1, "w2", "s2", b2]
+    bits = None if op == "MoE" else int(attrs["expert_weight_bits"])  # type: ignore[call-overload]
+    inits = {"router_weight": initializer(m, "router_weight")}
+    inputs = ["x", "logits"]
+    for key, value in expert_operands(m, op, bits).items():
+        inputs.append("" if value is None else key)
+        if value is not None:
+            inits[key] = value
     while inputs[-1] == "":
         inputs.pop()
     nodes = [helper.make_node("MatMul", ["x", "router_weight"], ["logits"], name="router")]
     if "router_bias" in names:
-        inits["router_bias"] = _init(m, "router_bias")
+        inits["router_bias"] = initializer(m, "router_bias")
         nodes[0].output[0] = "logits_unbiased"
         nodes.append(helper.make_node("Add", ["logits_unbiased", "router_bias"], ["logits"]))
     nodes.append(helper.make_node(op, inputs, ["y"], name="moe_fused", domain=_MS, **attrs))
-    graph = helper.make_graph(
-        nodes,
-        "fused",
-        list(m.graph.input),
-        list(m.graph.output),
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(_MS, 1)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    initializers = [numpy_helper.from_array(v, k) for k, v in inits.items()]
+    return make_model(nodes, m.graph.input, m.graph.output, initializers, name="fused")
 
 
 def _perturbed(model: onnx.ModelProto, name: str, factor: float) -> onnx.ModelProto:
@@ -230,18 +182,12 @@ def _qmoe_8bit_blockwise(rng: np.random.Generator) -> onnx.ModelProto:
         activation_beta=0.0,
     )
     f32 = onnx.TensorProto.FLOAT
-    graph = helper.make_graph(
-        [node],
-        "q8",
-        [
-            helper.make_tensor_value_info("x", f32, ["T", h]),
-            helper.make_tensor_value_info("logits", f32, ["T", e]),
-        ],
-        [helper.make_tensor_value_info("y", f32, ["T", h])],
-        inits,
-    )
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(_MS, 1)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    inputs = [
+        helper.make_tensor_value_info("x", f32, ["T", h]),
+        helper.make_tensor_value_info("logits", f32, ["T", e]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", f32, ["T", h])]
+    return make_model([node], inputs, outputs, inits, name="q8")
 
 
 def test_ort_blockwise_8bit_qmoe_gets_a_looser_tolerance_and_says_why(rng) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers import nonzero_rel_err
 from onnx import helper
 
 from onnx_moe_fuse import evaluator
@@ -48,12 +49,6 @@ GMM_SAMPLES = [
 ]
 _F32 = onnx.TensorProto.FLOAT
 _I64 = onnx.TensorProto.INT64
-
-
-def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    scale = float(np.abs(expected).max())
-    assert scale > 0, "reference output is all zeros: the comparison would prove nothing"
-    return float(np.abs(actual.astype(np.float64) - expected).max() / scale)
 
 
 def _gmm_model(dtype: int = _F32, **attrs: int) -> onnx.ModelProto:
@@ -99,7 +94,7 @@ def test_grouped_matmul_samples_match_reference(name: str, device, rng) -> None:
     assert got.keys() == expected.keys()
     for out, ref in expected.items():
         assert got[out].shape == ref.shape and got[out].dtype == ref.dtype
-        err = _rel_err(got[out], ref)
+        err = nonzero_rel_err(got[out], ref)
         assert err <= RTOL, f"{name}/{out}: wgpu vs reference rel err {err:.2e} (seed {seed})"
 
 
@@ -246,7 +241,7 @@ def test_matmul_nbits_qkv_runs_on_its_kernel(with_skip: bool, device, rng) -> No
         if name not in got:
             assert ref is None or not with_skip
             continue
-        err = _rel_err(got[name], ref)
+        err = nonzero_rel_err(got[name], ref)
         assert err <= RTOL, f"{name}: wgpu vs oracle rel err {err:.2e}"
 
 

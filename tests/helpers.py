@@ -1,0 +1,216 @@
+"""Helpers shared by the test modules: seeds, sample experts, error measures, kernel variants.
+
+Imported as ``helpers``: pytest puts ``tests/`` on ``sys.path`` for the rootdir conftest
+(``tests/conftest.py``), so the test modules in every sub-folder can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnx_moe_fuse.oracles.quant import pack_qmoe
+
+#: Error bound of the float32 QMoE / MoE kernels against their references.
+TOL = 1e-4
+#: Lets the gemv variants run at test sizes (their default wants >= 4 words per lane at 32 lanes).
+SMALL_TUNABLES = {"decodeLanes": 8, "decodeMinLaneTrips": 1}
+
+
+# -- seeds ----------------------------------------------------------------------------------------
+
+
+def seeded_rng() -> tuple[np.random.Generator, int]:
+    """A fresh generator and its seed (``TEST_SEED`` replays one)."""
+    seed = int(os.environ.get("TEST_SEED", secrets.randbits(32)))
+    return np.random.default_rng(seed), seed
+
+
+def env_seed() -> int:
+    """A fresh seed for the sample tests (``ONNX_MOE_FUSE_SEED`` replays one)."""
+    env = os.environ.get("ONNX_MOE_FUSE_SEED")
+    if env:
+        return int(env)
+    return int(np.random.SeedSequence().entropy % (2**31))
+
+
+# -- oracle contract-error cases ----------------------------------------------------------------
+
+
+def altered(call: tuple[list, dict], i: int | None = None, value: Any = None, **kw: Any):
+    """A valid oracle call ``(args, kwargs)`` with argument ``i`` set to ``value`` and ``kw``."""
+    args, kwargs = call
+    if i is not None:
+        args[i] = value
+    kwargs.update(kw)
+    return args, kwargs
+
+
+# -- a sample's experts as a fused node's operands ------------------------------------------------
+
+
+def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
+    """The value of the model's initializer ``name``."""
+    for t in model.graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    raise KeyError(name)
+
+
+def interleave_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Rows of gate and up ``[E, I, ...]`` interleaved into ``[E, 2I, ...]`` (gate even)."""
+    return np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
+
+
+def qmoe_operand(model: onnx.ModelProto, name: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """QMoE unsigned codes ``[E, N, K]`` and scales ``[E, N(, K/block)]`` from DQ initializers."""
+    codes = initializer(model, f"{name}_quant")
+    scale = initializer(model, f"{name}_scale").transpose(0, 2, 1)  # [E, N, K/block]
+    if bits == 4:
+        unsigned = (codes.astype(np.int8).astype(np.int16) + 8).astype(np.uint8)
+    else:
+        assert np.all(initializer(model, f"{name}_zero_point") == 128)
+        unsigned = codes
+        scale = scale[:, :, 0]  # one block over K: column-wise [E, N]
+    return unsigned.transpose(0, 2, 1), scale
+
+
+def expert_operands(
+    model: onnx.ModelProto, op: str, bits: int | None = None
+) -> dict[str, np.ndarray | None]:
+    """A sample's experts as inputs 2.. of a fused ``MoE`` / ``QMoE`` node, in ORT's layout.
+
+    Keys in ORT's input order: ``w1, b1, w2, b2`` (MoE) or ``w1, s1, b1, w2, s2, b2`` (QMoE,
+    ``bits``-bit codes packed); an absent bias is ``None``. SwiGLU gate and up projections
+    become interleaved FC1 rows.
+    """
+    names = {t.name for t in model.graph.initializer}
+    separate = "fc1_gate_weight" in names or "fc1_gate_weight_quant" in names
+    b1 = initializer(model, "fc1_bias") if "fc1_bias" in names else None
+    b2 = initializer(model, "fc2_bias") if "fc2_bias" in names else None
+    if op == "MoE":
+        if separate:
+            gate = initializer(model, "fc1_gate_weight").transpose(0, 2, 1)
+            w1 = interleave_rows(gate, initializer(model, "fc1_up_weight").transpose(0, 2, 1))
+        else:
+            w1 = initializer(model, "fc1_weight").transpose(0, 2, 1)
+        w2 = initializer(model, "fc2_weight").transpose(0, 2, 1)
+        return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    assert bits is not None, "QMoE needs the weight bits"
+    if separate:
+        gc, gs = qmoe_operand(model, "fc1_gate_weight", bits)
+        uc, us = qmoe_operand(model, "fc1_up_weight", bits)
+        c1, s1 = interleave_rows(gc, uc), interleave_rows(gs, us)
+    else:
+        c1, s1 = qmoe_operand(model, "fc1_weight", bits)
+    c2, s2 = qmoe_operand(model, "fc2_weight", bits)
+    w1, w2 = pack_qmoe(c1, bits), pack_qmoe(c2, bits)
+    return {"w1": w1, "s1": s1, "b1": b1, "w2": w2, "s2": s2, "b2": b2}
+
+
+# -- error measures -------------------------------------------------------------------------------
+
+
+def rel_err(got: np.ndarray, want: np.ndarray, *, zero_scale: float = 1e-30) -> float:
+    """``max|got - want| / max|want|`` (0 for empty arrays); the shapes must match.
+
+    Where ``want`` is all zeros the divisor is ``zero_scale``: by default any difference then
+    fails a bound, ``zero_scale=1.0`` measures the absolute error.
+    """
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if want.size == 0:
+        return 0.0
+    w = want.astype(np.float64)
+    peak = float(np.abs(w).max())
+    scale = max(peak, 1e-30) if peak > 0 else zero_scale
+    return float(np.abs(got.astype(np.float64) - w).max() / scale)
+
+
+def nonzero_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    """``max|actual - expected| / max|expected|``, refusing an all-zero ``expected``."""
+    scale = float(np.abs(expected).max())
+    assert scale > 0, "reference output is all zeros: the test would prove nothing"
+    return float(np.abs(actual.astype(np.float64) - expected).max() / scale)
+
+
+# -- every eligible variant of a QMoE / MoE kernel --------------------------------------------------
+
+
+def draw_configs(
+    rng: np.random.Generator, configs: Sequence[tuple], count: int, tokens: Sequence[int]
+) -> Iterator[tuple[int, tuple, int, int]]:
+    """``(i, config, tokens, rank)`` for ``count`` random kernel cases.
+
+    Every config in turn first, then configs drawn at random; the token count is drawn from
+    ``tokens``, the rank is 2 or 3.
+    """
+    for i in range(count):
+        pick = i if i < len(configs) else int(rng.integers(len(configs)))
+        yield i, configs[pick], int(rng.choice(tokens)), int(rng.integers(2, 4))
+
+
+def chunk_limits(rng: np.random.Generator, call: dict, k: int, inter: int) -> dict[str, int]:
+    """A storage binding limit that splits the call's hidden activations into token chunks.
+
+    One token's hidden activations take ``k * inter`` float32 values; the limit holds 2 to 4
+    tokens' worth, but never less than the largest tensor (every tensor must still fit).
+    """
+    need = k * inter * 4
+    largest = max(a.nbytes for a in call.values())
+    return {"maxStorageBufferBindingSize": max(largest, need * int(rng.integers(2, 5)))}
+
+
+def checked(out: np.ndarray, want: np.ndarray, what: str, tol: float = TOL) -> float:
+    """Assert a float32 kernel output is written and within ``tol`` of ``want``; the error."""
+    assert out.dtype == np.float32, f"{what}: dtype {out.dtype}"
+    assert not np.isnan(out).any(), f"{what}: unwritten (poisoned) or NaN output elements"
+    err = rel_err(out, want, zero_scale=1.0)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+    return err
+
+
+def eligible(kernel: Any, call: dict, attrs: dict, limits: dict, tunables: dict) -> dict:
+    """Variant -> the tunables under which its ``when`` holds (the call's, else smaller)."""
+    found: dict[str, dict] = {}
+    for tun in (tunables, {**SMALL_TUNABLES, **tunables}):
+        plan = kernel.plan(attrs=attrs, tunables=tun, device_limits=limits, **call)
+        for vid in kernel.variants:
+            if vid not in plan.rejected and vid not in found:
+                found[vid] = tun
+    return found
+
+
+def run_all_variants(
+    kernel: Any,
+    call: dict,
+    attrs: dict,
+    want: np.ndarray,
+    what: str,
+    limits: Mapping[str, int] | None = None,
+    tunables: Mapping[str, Any] | None = None,
+    ort_out: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Run every eligible variant (forced); check each against ``want`` (and ORT)."""
+    limits, tunables = dict(limits or {}), dict(tunables or {})
+    errors = {}
+    for vid, tun in eligible(kernel, call, attrs, limits, tunables).items():
+        out = kernel(
+            attrs=attrs,
+            variant=vid,
+            tunables=tun,
+            device_limits=limits,
+            poison_outputs=True,
+            **call,
+        )["outputT"]
+        assert out.shape == want.shape, f"{what} {vid}: shape {out.shape} != {want.shape}"
+        errors[vid] = checked(out, want, f"{what} [{vid}] vs oracle")
+        if ort_out is not None:
+            checked(out, ort_out, f"{what} [{vid}] vs ORT")
+    assert errors, f"{what}: no variant accepts the call"
+    return errors
