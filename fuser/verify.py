@@ -591,6 +591,14 @@ def _prepare_ort(
     result: PathResult, fused: onnx.ModelProto, runners: dict[str, Any], messages: list[str]
 ) -> None:
     """Create the ORT session, or mark the path skipped (no kernel) or failed (load error)."""
+    try:
+        import onnxruntime  # noqa: F401 - optional: the "test" extra installs it
+    except ImportError:
+        result.status = "skipped"
+        result.reason = (
+            "onnxruntime is not installed (pip install 'onnx-moe-fuse[test]' or onnxruntime)"
+        )
+        return
     reason = ort_unsupported_reason(fused)
     if reason is not None:
         result.status, result.reason = "skipped", reason

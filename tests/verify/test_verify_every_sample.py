@@ -60,3 +60,15 @@ def test_torch_export_fuses_and_verifies(device, path):
     report = verify(original, result.model, seeds=(21,), dim_values={"s0": 7, "batch": 7})
     assert report.passed, report.summary()
     assert {p.status for p in report.paths.values()} == {"passed"}, report.summary()
+
+
+def test_without_onnxruntime_the_ort_path_is_skipped_with_the_reason(device, monkeypatch):
+    import sys
+
+    sample = [s for s in FUSING if s.name == "mixtral_dec_int4b32"][0]
+    fused = fuse(sample.model).model
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import now raises ImportError
+    report = verify(sample.model, fused, seeds=(1,))
+    assert report.passed, report.summary()
+    assert report.paths["ort"].status == "skipped"
+    assert "onnxruntime is not installed" in report.paths["ort"].reason
