@@ -66,6 +66,8 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import _basics, _matcher, pattern
 
+from ._graph_facts import attr_int, const_array, const_float
+
 __all__ = [
     "FUSED_ATTRIBUTES",
     "FUSED_OP",
@@ -117,6 +119,12 @@ _COUNT_PREFIX = "the RMS-normalised value"
 Refusal = _basics.MatchFailureError
 
 
+# Constants and attributes are read exactly as the MoE rules read them.
+_const = const_array
+_const_scalar = const_float
+_int_attr = attr_int
+
+
 def _v(name: str, optional: bool = False) -> pattern.Var:
     return pattern.Var(name, can_match_none=optional)
 
@@ -139,39 +147,11 @@ def _label(item: ir.Node | ir.Value | None) -> str:
     return f"output {item.index()} of {_label(producer)}" if producer else "<unnamed>"
 
 
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    """The constant a value holds (initializer or Constant node); None for graph inputs."""
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is None:
-        return None
-    try:
-        return np.asarray(tensor.numpy())
-    except Exception:  # unreadable external data, unsupported dtype
-        return None
-
-
-def _const_scalar(value: ir.Value | None) -> float | None:
-    arr = _const(value)
-    if arr is None or arr.size != 1:
-        return None
-    try:
-        return float(np.asarray(arr, dtype=np.float64).reshape(-1)[0])
-    except (TypeError, ValueError):
-        return None
-
-
 def _attr(node: ir.Node, name: str, default: Any) -> Any:
     attr = node.attributes.get(name)
     if attr is None or attr.is_ref():
         return default
     return attr.value
-
-
-def _int_attr(node: ir.Node, name: str, default: int | None) -> int | None:
-    value = _attr(node, name, default)
-    return None if value is None else int(value)
 
 
 # Ops whose output 0 has the element type and the rank of input 0 (element-wise or norm-like).
