@@ -21,9 +21,19 @@ from onnx_moe_fuse.kernels.planner import DeviceFacts, make_plan
 
 ON_CI = os.environ.get("CI", "").lower() == "true"
 
-SEEDS = Path(
-    os.environ.get("ONNX_MOE_FUSE_SEEDS", Path(__file__).resolve().parents[2] / "shared" / "seeds")
-)
+
+def _seeds_folder() -> Path:
+    """``ONNX_MOE_FUSE_SEEDS``, else the first ``shared/seeds`` beside the checkout or above it."""
+    if os.environ.get("ONNX_MOE_FUSE_SEEDS"):
+        return Path(os.environ["ONNX_MOE_FUSE_SEEDS"])
+    repo = Path(__file__).resolve().parents[1]
+    for folder in repo.parents:
+        if (folder / "shared" / "seeds").is_dir():
+            return folder / "shared" / "seeds"
+    return repo.parent / "shared" / "seeds"
+
+
+SEEDS = _seeds_folder()
 
 
 def _seed(name: str):
