@@ -38,13 +38,17 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
 
+from onnx_moe_fuse.canonicalise import canonicalise
 from onnx_moe_fuse.rewrites import matmul_nbits_qkv as qkv
+from onnx_moe_fuse.rewrites._moe_analysis import PARTS
+from onnx_moe_fuse.rewrites._moe_rule import LAYER_OUT_KEY, TOPK_KEY
 from onnx_moe_fuse.rewrites.moe_layer import (
     FUSED_OPS,
     REPLACED_KEY,
     RULE_CLASSES,
     moe_layer_rule_set,
 )
+from onnx_moe_fuse.splice import SpliceRefusal, splice_fused_node, tag_origin
 
 #: Every op the pipeline can emit.
 ALL_FUSED_OPS = FUSED_OPS | {qkv.FUSED_OP}
@@ -102,15 +106,25 @@ _ESCAPE_REASON = "Matched nodes have other uses preventing replacement."
 class FusionReport:
     """What a fusion run did: one entry per emitted node and one per near miss.
 
-    ``fusions``: ``{"op", "name", "rule", "replaced": [node names], "attributes": {...}}``.
-    ``near_misses``: ``{"rule", "root", "topk", "router", "reason", "values"}``: ``root`` is the
-    node whose output the layer would have replaced (its combine), ``topk`` and ``router`` the
-    routing TopK and the Softmax/Sigmoid before it (None when unknown), ``values`` the values or
-    nodes the failing check names. Unnamed nodes are written ``OpType(first output)``.
+    ``fusions``: ``{"op", "name", "rule", "replaced": [node names], "kept": [node names],
+    "attributes": {...}}``; ``kept`` names the nodes of the layer's region that stay because a
+    value they compute is also used outside the layer, upstream of the experts (a router Softmax
+    that is also a graph output).
+    ``near_misses``: ``{"rule", "part", "node", "reason", "root", "topk", "router", "values"}``:
+    ``part`` is the layer part at fault (one of ``tokens, routing, fc1, activation, fc2,
+    combine, weights, target, region``; None when no rule matched), ``node`` the node or value
+    the reason is about, ``root`` the node whose output the layer would have replaced (its
+    combine), ``topk`` and ``router`` the routing TopK and the Softmax/Sigmoid before it (None
+    when unknown), ``values`` every value or node the failing check names. Unnamed nodes are
+    written ``OpType(first output)``. Nodes are named as in the canonicalised working copy,
+    which keeps the model's names for every node it did not rewrite.
+    ``canonicalisation``: one line per canonicalisation pass that failed on the working copy
+    and was skipped (canonicalisation never changes the model itself).
     """
 
     fusions: list[dict[str, Any]] = field(default_factory=list)
     near_misses: list[dict[str, Any]] = field(default_factory=list)
+    canonicalisation: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -305,58 +319,120 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         self.report = report if report is not None else FusionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Dry-run the rules for near misses, then rewrite; fill the report."""
+        """Canonicalise a working copy, fuse there, splice into ``model``; fill the report."""
         if not self.emit:
             return ir.passes.PassResult(model, modified=False)
+        work = model.clone()
+        tag_origin(work.graph)
+        self.report.canonicalisation.extend(canonicalise(work))
+
         tracer = NearMissTracer()
-        moe_layer_rule_set(self.emit, probe=True).apply_to_model(model, tracer=tracer)
-        names = _names(model.graph)
-        count = moe_layer_rule_set(self.emit).apply_to_model(model)
-        if count:
-            # onnxscript names every unnamed node and value after a rewrite (NameFixPass): give
-            # the nodes that were already there their own names back, so that what did not fuse
-            # is exactly as it was. The originals were unique, and so stay.
-            _restore_names(names)
+        moe_layer_rule_set(self.emit, probe=True, splice=True).apply_to_model(work, tracer=tracer)
+        moe_layer_rule_set(self.emit, splice=True).apply_to_model(work)
 
-        _report_fusions(model.graph, self.report)
+        spliced = 0
+        fused_roots: set[str] = set()
+        fused_topks: set[str] = set()
+        for node in _fused_nodes(work.graph):
+            layer_out = node.metadata_props.get(LAYER_OUT_KEY, "")
+            fused_topks.add(node.metadata_props.get(TOPK_KEY, ""))
+            try:
+                result = splice_fused_node(model, node, layer_out)
+            except SpliceRefusal as refusal:
+                self.report.near_misses.append(
+                    _near_miss(
+                        rule=_rule_name(node),
+                        part="region",
+                        node=refusal.value or layer_out,
+                        reason=refusal.reason,
+                        root=layer_out,
+                        topk=None,
+                        router=None,
+                        values=[refusal.value] if refusal.value else [],
+                    )
+                )
+                continue
+            spliced += 1
+            fused_roots.add(layer_out or "")
+            self.report.fusions.append(
+                {
+                    "op": result.node.op_type,
+                    "name": result.node.name,
+                    "rule": _rule_name(result.node),
+                    "replaced": list(result.replaced),
+                    "kept": list(result.kept),
+                    "attributes": {k: _attr_value(a) for k, a in result.node.attributes.items()},
+                }
+            )
+            for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
+                result.node.metadata_props.pop(key, None)
+        self._near_misses(tracer, work, fused_roots, fused_topks)
+        return ir.passes.PassResult(model, modified=spliced > 0)
 
+    def _near_misses(
+        self, tracer: NearMissTracer, work: ir.Model, fused: set[str], fused_topks: set[str]
+    ) -> None:
+        """Record the refused matches of layers that did not fuse, and unmatched routers."""
         seen: set[tuple[int, str]] = set()
         explained: set[int] = set()
         for a in tracer.attempts:
-            if a.root.graph is None:  # the layer fused after all (by another rule)
-                continue
+            root_out = a.root.outputs[0].name if a.root.outputs else None
+            topk_out = a.topk.outputs[0].name if a.topk is not None else None
+            if a.root.graph is None or root_out in fused or topk_out in fused_topks:
+                continue  # the layer fused after all
             key = (id(a.root), a.reason)
             if key in seen:
                 continue
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
+            part, reason = _split_part(a.reason)
             self.report.near_misses.append(
-                {
-                    "rule": a.rule,
-                    "root": _label(a.root),
-                    "topk": _label(a.topk),
-                    "router": _label(a.router),
-                    "reason": a.reason,
-                    "values": a.values,
-                }
+                _near_miss(
+                    rule=a.rule,
+                    part=part,
+                    node=a.values[0] if a.values else _label(a.root),
+                    reason=reason,
+                    root=_label(a.root),
+                    topk=_label(a.topk),
+                    router=_label(a.router),
+                    values=a.values,
+                )
             )
-        for node in model.graph:
+        for node in work.graph:
             if node.op_type != "TopK" or id(node) in explained:
+                continue
+            if node.outputs[0].name in fused_topks:
                 continue
             reason = _unrecognised_reason(node)
             if reason is not None:
+                router = node.inputs[0].producer() if node.inputs[0] else None
                 self.report.near_misses.append(
-                    {
-                        "rule": None,
-                        "root": None,
-                        "topk": _label(node),
-                        "router": _label(node.inputs[0].producer() if node.inputs[0] else None),
-                        "reason": reason,
-                        "values": [],
-                    }
+                    _near_miss(
+                        rule=None,
+                        part=None,
+                        node=_label(node),
+                        reason=reason,
+                        root=None,
+                        topk=_label(node),
+                        router=_label(router),
+                        values=[],
+                    )
                 )
-        return ir.passes.PassResult(model, modified=count > 0)
+
+
+def _split_part(reason: str) -> tuple[str | None, str]:
+    """``"fc2: the weights ..."`` -> ``("fc2", "the weights ...")`` (the rules' check prefix)."""
+    head, sep, rest = reason.partition(": ")
+    if sep and head in PARTS:
+        return head, rest
+    return None, reason
+
+
+def _near_miss(**fields: Any) -> dict[str, Any]:
+    """One near-miss record, keys in report order (see :class:`FusionReport`)."""
+    keys = ("rule", "part", "node", "reason", "root", "topk", "router", "values")
+    return {k: fields[k] for k in keys}
 
 
 def _report_fusions(graph: ir.Graph, report: FusionReport) -> None:

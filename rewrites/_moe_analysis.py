@@ -33,7 +33,8 @@ steps. Both hand the proved parts to :func:`finish_layer` (sizes, activation, ta
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,8 @@ __all__ = [
     "expert_bias",
     "expert_weights",
     "finish_layer",
+    "part",
+    "refusal_part",
     "refuse",
     "routing_form",
     "with_bias",
@@ -191,6 +194,31 @@ def refuse(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
     return Refusal(reason, *[s for s in sources if s is not None])
 
 
+#: The parts of a layer a refusal can name, in the order a layer proof checks them.
+PARTS = ("tokens", "routing", "fc1", "activation", "fc2", "combine", "weights", "target", "region")
+
+
+@contextmanager
+def part(name: str) -> Iterator[None]:
+    """Tag a :class:`Refusal` raised inside with the layer ``part`` it is about.
+
+    The innermost tag wins, so a shared step (``routing_form``) tags its own refusals and a
+    caller's broader tag does not overwrite them. Reports and ``--explain`` print the part.
+    """
+    assert name in PARTS, name
+    try:
+        yield
+    except Refusal as refusal:
+        if getattr(refusal, "part", None) is None:
+            refusal.part = name  # type: ignore[attr-defined]
+        raise
+
+
+def refusal_part(refusal: Refusal) -> str | None:
+    """The layer part a refusal names (None for one raised outside any :func:`part`)."""
+    return getattr(refusal, "part", None)
+
+
 def bound_node(b: Mapping[str, Any], name: str) -> ir.Node | None:
     """The producer of the value bound to ``name``, or None."""
     v = b.get(name)
@@ -250,6 +278,11 @@ class Routing:
 
 def routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     """Step 2: the routing TopK over the experts of rank-``r`` scores and its weight form."""
+    with part("routing"):
+        return _routing_form(b, r, opset)
+
+
+def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     topk_values: ir.Value = b["topk_values"]
     topk = topk_values.producer()
     assert topk is not None
@@ -298,20 +331,6 @@ def routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
         )
     if not _is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
         raise refuse(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
-    if scores.is_graph_output() or any(user is not topk for user, _ in scores.uses()):
-        where = (
-            "a graph output"
-            if scores.is_graph_output()
-            else "used by "
-            + ", ".join(
-                sorted({f"{u.op_type} '{label(u)}'" for u, _ in scores.uses() if u is not topk})
-            )
-        )
-        raise refuse(
-            f"the router probabilities '{value_label(scores)}' escape the layer: they are also "
-            f"{where}",
-            scores,
-        )
     logits = producer.inputs[0]
     assert logits is not None
     if form in ("renorm_div", "renorm_reciprocal"):
@@ -928,16 +947,20 @@ def analyse_layer(
     root = b["layer_out"].producer()
     graph = root.graph if root is not None else None
     opset = opset if opset is not None else default_opset(graph)
-    r = _token_rank(b)
+    with part("tokens"):
+        r = _token_rank(b)
     routing = routing_form(b, r, opset)
     k = routing.k
     topk_idx = routing.topk.outputs[1]
 
-    fc1 = tuple(
-        _expert(b, tag, role, r, k, topk_idx, False) for tag, role in FC1_PROJECTIONS[family]
-    )
-    fc2 = _expert(b, "fc2", "FC2", r, k, topk_idx, True)
-    _combine(b, r, combine, fc2.shape[2])
+    with part("fc1"):
+        fc1 = tuple(
+            _expert(b, tag, role, r, k, topk_idx, False) for tag, role in FC1_PROJECTIONS[family]
+        )
+    with part("fc2"):
+        fc2 = _expert(b, "fc2", "FC2", r, k, topk_idx, True)
+    with part("combine"):
+        _combine(b, r, combine, fc2.shape[2])
     return finish_layer(
         b,
         family=family,
@@ -973,6 +996,63 @@ def finish_layer(
     r = rank
     k = routing.k
     e, inter, hidden = fc2.shape
+    with part("weights"):
+        _same_experts(fc1, fc2)
+    tokens: ir.Value = b["tokens"]
+    with part("tokens"):
+        if static_last_dim(tokens) not in (None, hidden):
+            raise refuse(
+                f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens
+            )
+    with part("routing"):
+        _router_width(routing, e, k)
+        _router_rows(routing.router_probs, tokens, hidden)
+        if matched is not None and routing.internal_scores is not None:
+            _router_scores_stay_inside(routing)
+    with part("activation"):
+        activation, columns, (alpha, beta, limit) = _activation(b, family, fc1, fc2, fc1_last_axis)
+    with part("target"):
+        op, bits, block = _target(b, routing, activation, fc1, fc2, emit, hidden, inter)
+    with part("region"):
+        if matched is not None:
+            _weights_stay_inside(fc1, fc2, matched)
+
+    layer_nodes = tuple(
+        n
+        for n in (routing.internal_scores, *(s for w in (*fc1, fc2) for s in w.source_nodes))
+        if n is not None
+    )
+    return LayerPlan(
+        op=op,
+        root=root,
+        topk=routing.topk,
+        tokens=tokens,
+        router_probs=routing.router_probs,
+        rank=r,
+        num_experts=e,
+        k=k,
+        hidden=hidden,
+        inter=inter,
+        normalize=routing.normalize,
+        activation=activation,
+        fc1=fc1,
+        fc1_columns=columns,
+        fc2=fc2,
+        alpha=alpha,
+        beta=beta,
+        limit=limit,
+        bits=bits if op == "QMoE" else 0,
+        block=block if op == "QMoE" else 0,
+        layer_nodes=layer_nodes,
+    )
+
+
+# -- finish_layer's steps ----------------------------------------------------------------------
+
+
+def _same_experts(fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights) -> None:
+    """FC1's weights are ``[E, H, *]`` with FC2's E and H."""
+    e, _, hidden = fc2.shape
     for w in fc1:
         if w.shape[0] != e or w.shape[1] != hidden:
             raise refuse(
@@ -980,12 +1060,9 @@ def finish_layer(
                 "(expected [E, H, ...] with the same E and H)",
                 w.value,
             )
-    n1 = sum(w.shape[2] for w in fc1)
-    tokens: ir.Value = b["tokens"]
-    if static_last_dim(tokens) not in (None, hidden):
-        raise refuse(
-            f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens
-        )
+
+
+def _router_width(routing: Routing, e: int, k: int) -> None:
     router_e = static_last_dim(routing.router_probs)
     if router_e is None:
         raise refuse(
@@ -1001,35 +1078,191 @@ def finish_layer(
     if not 1 <= k <= e:
         raise refuse(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
 
-    alpha, beta, limit = 1.0, 0.0, None
+
+#: Element-wise ops: the row of their output is the row of their input.
+_ROW_WISE_UNARY = frozenset({"Cast", "Identity", "Sigmoid", "Tanh", "Relu", "Neg", "Exp"})
+#: Ops that keep the row order of a ``[..., H]`` value when they keep its last axis.
+_ROW_PRESERVING = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast"})
+
+
+def _row_source(value: ir.Value, hidden: int | None) -> ir.Value:
+    """Walk back through ops that keep the token rows (same elements, same last axis)."""
+    for _ in range(16):
+        node = value.producer()
+        if node is None or node.op_type not in _ROW_PRESERVING or node.domain not in ("", "ai.onnx"):
+            return value
+        src = node.inputs[0]
+        if src is None:
+            return value
+        if node.op_type in ("Reshape", "Flatten"):
+            last = static_last_dim(value)
+            if last is None or (hidden is not None and last != static_last_dim(src)):
+                return value
+        if node.op_type in ("Squeeze", "Unsqueeze"):
+            axes = node_axes(node)
+            rank = static_rank(value if node.op_type == "Unsqueeze" else src)
+            norm = None if axes is None or rank is None else normalize_axes(axes, rank)
+            if norm is None or rank - 1 in norm:
+                return value
+        if node.op_type == "Cast" and static_last_dim(value) != static_last_dim(src):
+            return value
+        value = src
+    return value
+
+
+def _rows(value: ir.Value) -> tuple | None:
+    """The leading (row) dims of ``value``'s declared shape, None when unknown or dynamic."""
+    shape = value.shape
+    if shape is None or len(shape) < 2:
+        return None
+    dims = []
+    for d in list(shape)[:-1]:
+        if isinstance(d, int):
+            dims.append(d)
+        elif getattr(d, "value", None) is not None:
+            dims.append(d.value)
+        else:
+            return None
+    return tuple(dims)
+
+
+def _router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
+    """Prove the router logits have one row per token row, in the same order.
+
+    The fused node reads router_probs row i as the routing of token row i. Proved by dataflow
+    (the logits are a projection, ``MatMul(x, W)`` with an optional bias ``Add``, of the same
+    token rows the experts read, up to row-preserving reshapes) or, for logits that come from
+    elsewhere (a graph input), by declared shapes with the same rows.
+    """
+    src = logits
+    for _ in range(8):  # bias, scale, cast or row-wise normalisation around the projection
+        node = src.producer()
+        if node is None or node.inputs[0] is None or node.domain not in ("", "ai.onnx"):
+            break
+        if node.op_type in _ROW_WISE_UNARY:
+            src = node.inputs[0]
+            continue
+        if node.op_type in ("Softmax", "LogSoftmax") and attr_int(node, "axis", -1) == -1:
+            src = node.inputs[0]
+            continue
+        if node.op_type in ("Add", "Sub", "Mul", "Div") and len(node.inputs) == 2:
+            other = node.inputs[1]
+            if other is None or const_array(other) is None:
+                break
+            src = node.inputs[0]
+            continue
+        break
+    node = src.producer()
+    token_root = _row_source(tokens, hidden)
+    projection = node is not None and (
+        node.op_type == "MatMul" or (node.op_type == "Gemm" and attr_int(node, "transA", 0) == 0)
+    )
+    if projection and node.inputs[0] is not None:
+        reads = node.inputs[0]
+        if _row_source(reads, hidden) is token_root:
+            return
+        raise refuse(
+            f"the router {node.op_type} '{label(node)}' reads '{value_label(reads)}', not the token rows "
+            f"'{value_label(tokens)}' the experts read: the fused node routes each token by its own "
+            "router row, which cannot be proved here",
+            node,
+        )
+    got, want = _rows(logits), _rows(tokens)
+    if got is not None and want is not None and math.prod(got) == math.prod(want):
+        return
+    where = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
+    raise refuse(
+        f"cannot prove that the router logits '{value_label(logits)}' ({where}) have one row per "
+        f"token of '{value_label(tokens)}'",
+        logits,
+    )
+
+
+def _router_scores_stay_inside(routing: Routing) -> None:
+    """Standalone rules only (the pipeline's splice keeps an escaping router Softmax)."""
+    sm = routing.internal_scores
+    assert sm is not None
+    scores = sm.outputs[0]
+    topk = routing.topk
+    if scores.is_graph_output() or any(user is not topk for user, _ in scores.uses()):
+        where = (
+            "a graph output"
+            if scores.is_graph_output()
+            else "used by "
+            + ", ".join(
+                sorted({f"{u.op_type} '{label(u)}'" for u, _ in scores.uses() if u is not topk})
+            )
+        )
+        raise refuse(
+            f"the router probabilities '{value_label(scores)}' escape the layer: they are also "
+            f"{where}",
+            scores,
+        )
+
+
+def _activation(
+    b: Mapping[str, Any],
+    family: str,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    fc1_last_axis: int,
+) -> tuple[str, np.ndarray, tuple[float, float, float | None]]:
+    """The activation, FC1's columns in the fused node's order, and (alpha, beta, limit)."""
+    inter = fc2.shape[1]
+    n1 = sum(w.shape[2] for w in fc1)
     if family == "elementwise":
         activation = _elementwise_activation(b)
-        columns = np.arange(n1)
         if n1 != inter:
             raise refuse(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
+        return activation, np.arange(n1), (1.0, 0.0, None)
+    params = _swiglu_params(b)
+    if family == "gated":
+        if fc1[0].shape != fc1[1].shape:
+            raise refuse("the gate and up experts have different shapes", fc1[1].value)
+        gate_cols = np.arange(fc1[0].shape[2])
+        lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
     else:
-        activation = "swiglu"
-        alpha, beta, limit = _swiglu_params(b)
-        if family == "gated":
-            if fc1[0].shape != fc1[1].shape:
-                raise refuse("the gate and up experts have different shapes", fc1[1].value)
-            gate_cols = np.arange(fc1[0].shape[2])
-            lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
-        else:
-            fc1_out: ir.Value = b["fc1_out"]
-            gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
-            lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
-        if len(gate_cols) != inter or len(lin_cols) != inter:
-            raise refuse(
-                f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
-                f"but FC2 reads {inter}",
-                fc2.value,
-            )
-        columns = np.stack([gate_cols, lin_cols], axis=1).reshape(-1)  # row 2j gate, 2j+1 lin
+        fc1_out: ir.Value = b["fc1_out"]
+        gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
+        lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
+    if len(gate_cols) != inter or len(lin_cols) != inter:
+        raise refuse(
+            f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
+            f"but FC2 reads {inter}",
+            fc2.value,
+        )
+    columns = np.stack([gate_cols, lin_cols], axis=1).reshape(-1)  # row 2j gate, 2j+1 lin
+    return "swiglu", columns, params
 
+
+def _target(
+    b: Mapping[str, Any],
+    routing: Routing,
+    activation: str,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    emit: frozenset[str],
+    hidden: int,
+    inter: int,
+) -> tuple[str, int, int]:
+    """The fused op (MoE for float weights, QMoE for quantized), its bits and block size."""
+    tokens: ir.Value = b["tokens"]
+    if tokens.dtype is not None and tokens.dtype != ir.DataType.FLOAT:
+        raise refuse(
+            f"the tokens '{value_label(tokens)}' are {tokens.dtype.name.lower()}: this version "
+            "fuses float32 layers only (float16/bfloat16 layers are left as they are)",
+            tokens,
+        )
     dtypes = {w.dtype for w in (*fc1, fc2)}
     if len(dtypes) != 1:
         raise refuse("the expert weights do not all have the same float type", fc2.value)
+    if dtypes != {ir.DataType.FLOAT}:
+        (dtype,) = dtypes
+        raise refuse(
+            f"the expert weights are {dtype.name.lower()}: this version fuses float32 layers "
+            "only (float16/bfloat16 layers are left as they are)",
+            fc2.value,
+        )
     quant = {w.quantized for w in (*fc1, fc2)}
     if len(quant) != 1:
         raise refuse(
@@ -1063,13 +1296,16 @@ def finish_layer(
             f"({', '.join(sorted(emit)) or 'none'})",
             routing.topk,
         )
+    return op, bits, block
 
-    # 7. escapes of the layer's nodes outside the pattern (the matcher checks the pattern's own)
+
+def _weights_stay_inside(
+    fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights, matched: Collection[ir.Node]
+) -> None:
+    """Standalone rules only: the dequantized weights feed the matched layer alone."""
     for w in (*fc1, fc2):
         for node in w.source_nodes:
             out = node.outputs[0]
-            if matched is None:
-                continue
             bad = [u for u, _ in out.uses() if u not in matched]
             if out.is_graph_output() or bad:
                 where = "a graph output" if out.is_graph_output() else f"used by {label(bad[0])}"
@@ -1078,32 +1314,3 @@ def finish_layer(
                     f"they are also {where}",
                     out,
                 )
-
-    layer_nodes = tuple(
-        n
-        for n in (routing.internal_scores, *(s for w in (*fc1, fc2) for s in w.source_nodes))
-        if n is not None
-    )
-    return LayerPlan(
-        op=op,
-        root=root,
-        topk=routing.topk,
-        tokens=tokens,
-        router_probs=routing.router_probs,
-        rank=r,
-        num_experts=e,
-        k=k,
-        hidden=hidden,
-        inter=inter,
-        normalize=routing.normalize,
-        activation=activation,
-        fc1=fc1,
-        fc1_columns=columns,
-        fc2=fc2,
-        alpha=alpha,
-        beta=beta,
-        limit=limit,
-        bits=bits if op == "QMoE" else 0,
-        block=block if op == "QMoE" else 0,
-        layer_nodes=layer_nodes,
-    )

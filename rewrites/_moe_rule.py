@@ -26,14 +26,16 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from ._moe_analysis import LayerPlan, Refusal
+from ._moe_analysis import LayerPlan, Refusal, refusal_part
 from ._moe_emit import fused_arrays
 
 __all__ = [
     "FAMILIES",
     "FUSED_OPS",
     "MS_DOMAIN",
+    "LAYER_OUT_KEY",
     "REPLACED_KEY",
+    "TOPK_KEY",
     "MoELayerRule",
     "activation_pattern",
     "routing_pattern",
@@ -44,6 +46,9 @@ __all__ = [
 FUSED_OPS = frozenset({"MoE", "QMoE"})
 #: Node metadata key carrying the replaced node names (JSON list), read by the fusion pass.
 REPLACED_KEY = "onnx_moe_fuse.replaced"
+#: Node metadata keys naming the value a fused node replaces and its routing TopK's first output.
+LAYER_OUT_KEY = "onnx_moe_fuse.layer_out"
+TOPK_KEY = "onnx_moe_fuse.topk"
 MS_DOMAIN = "com.microsoft"
 #: The activation families (see :func:`activation_pattern`).
 FAMILIES = ("gated", "fused_gated", "elementwise")
@@ -233,12 +238,19 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         combine: str | None = None,
         emit: Iterable[str] = FUSED_OPS,
         probe: bool = False,
+        splice: bool = False,
     ) -> None:
         """Configure the rule: which combine spelling it matches, which ops it may emit.
 
         ``combine`` defaults to the layout's first spelling. A ``probe`` rule checks like the
         real one but its rewrite builds only a placeholder: it serves dry runs with a tracer
         (which never apply a rewrite), to collect near misses without repacking weights.
+
+        A ``splice`` rule runs on a canonicalised working copy whose fused nodes are spliced
+        into the original graph afterwards (``onnx_moe_fuse.passes``): the splice proves the
+        layer's region in the original, keeps what escapes upstream of the experts (a router
+        Softmax that is also a graph output) and refuses the rest. So a splice rule neither
+        checks escapes nor removes the matched nodes; used alone (the default), a rule does both.
         """
         combine = self.combines[0] if combine is None else combine
         if combine not in self.combines:
@@ -246,11 +258,12 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         emit = frozenset(emit)
         if not emit <= FUSED_OPS:
             raise ValueError(f"emit must be a subset of {sorted(FUSED_OPS)}, got {sorted(emit)}")
-        super().__init__(name or f"{type(self).__name__}[{combine}]")
+        super().__init__(name or f"{type(self).__name__}[{combine}]", remove_nodes=not splice)
         # configuration only: nothing about a match is ever stored on the rule
         self._combine_form = combine
         self._emit = emit
         self._probe = probe
+        self._splice = splice
 
     def _activation(self, op, fc1: Callable[[str], Any]) -> Any:
         return activation_pattern(op, self.family, fc1)
@@ -262,9 +275,11 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         """Prove the rewrite equivalent; a failure names the reason in plain words."""
         result = pattern.MatchResult()
         try:
-            self._analyse(bindings, matched=set(context.nodes))
+            self._analyse(bindings, matched=None if self._splice else set(context.nodes))
         except Refusal as refusal:
-            return result.fail(refusal.reason, list(refusal.failure_sources))
+            part = refusal_part(refusal)
+            reason = f"{part}: {refusal.reason}" if part else refusal.reason
+            return result.fail(reason, list(refusal.failure_sources))
         return result
 
     def rewrite(self, op, **bindings):
@@ -309,5 +324,10 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
             **plan.attributes(),
         )
         replaced = [n.name or f"{n.op_type}({n.outputs[0].name})" for n in _layer_nodes(plan)]
-        out.producer().metadata_props[REPLACED_KEY] = json.dumps(replaced)
+        meta = out.producer().metadata_props
+        meta[REPLACED_KEY] = json.dumps(replaced)
+        # for the pipeline's splice: a splice rule keeps the matched nodes, so the rewriter
+        # gives the fused output a fresh name; these name what it replaces and its router
+        meta[LAYER_OUT_KEY] = plan.root.outputs[0].name or ""
+        meta[TOPK_KEY] = plan.topk.outputs[0].name or ""
         return out

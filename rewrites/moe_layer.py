@@ -175,20 +175,25 @@ RULE_CLASSES: tuple[type[MoELayerRule], ...] = (
 
 
 def moe_layer_rules(
-    emit: Iterable[str] = FUSED_OPS, *, probe: bool = False
+    emit: Iterable[str] = FUSED_OPS, *, probe: bool = False, splice: bool = False
 ) -> list[pattern.RewriteRule]:
-    """Every layer rule (each class x each of its combine spellings), emitting only ``emit``."""
+    """Every layer rule (each class x each of its combine spellings), emitting only ``emit``.
+
+    ``probe`` and ``splice``: see :class:`._moe_rule.MoELayerRule`.
+    """
     emit = frozenset(emit)
     return [
-        cls.rule(combine=c, emit=emit, probe=probe) for cls in RULE_CLASSES for c in cls.combines
+        cls.rule(combine=c, emit=emit, probe=probe, splice=splice)
+        for cls in RULE_CLASSES
+        for c in cls.combines
     ]
 
 
 def moe_layer_rule_set(
-    emit: Iterable[str] = FUSED_OPS, *, probe: bool = False
+    emit: Iterable[str] = FUSED_OPS, *, probe: bool = False, splice: bool = False
 ) -> pattern.RewriteRuleSet:
     """A rule set of :func:`moe_layer_rules`; it never sweeps dead code by itself."""
-    rule_set = pattern.RewriteRuleSet(moe_layer_rules(emit, probe=probe))
+    rule_set = pattern.RewriteRuleSet(moe_layer_rules(emit, probe=probe, splice=splice))
     rule_set.remove_unused_nodes = False
     return rule_set
 

@@ -1,0 +1,25 @@
+"""Canonicalisation passes: rewrite the spellings of a layer's parts into the forms the rules match.
+
+They run on a *working copy* of the model (``onnx_ir.Model.clone()``, which shares the weight
+tensors), never on the model the user gave: the layer rules recognise and fuse there, and the
+fused nodes are spliced into the original graph afterwards (``onnx_moe_fuse.splice``), so a layer
+that does not fuse comes out exactly as it went in, whatever canonicalisation did to its copy.
+
+Each pass is one ``onnx_ir.passes.InPlacePass`` in its own module, semantics-preserving, and keeps
+the names of the values it does not remove (a replacement value takes the name of the value it
+replaces): the splice finds the fused layer's inputs and output in the original by name. A pass
+never raises on a valid model; it leaves what it cannot handle as it is.
+
+:func:`canonicalisation_passes` lists them in the order the pipeline runs them.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+__all__ = ["canonicalisation_passes"]
+
+
+def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
+    """Fresh instances of every canonicalisation pass, in pipeline order."""
+    return []
