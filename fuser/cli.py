@@ -110,7 +110,13 @@ def _print_near_misses(report: dict[str, Any]) -> None:
         print("no near misses")
     for m in misses:
         where = m.get("topk") or m.get("root") or "?"
-        print(f"near miss at {where}: {m['reason']}")
+        part = m.get("part")
+        about = m.get("node")
+        head = f"{part.upper() if part in ('fc1', 'fc2') else part}" if part else None
+        detail = f"{head} ({about}): " if head and about else (f"{head}: " if head else "")
+        print(f"near miss at {where}: {detail}{m['reason']}")
+    for line in report.get("canonicalisation", []):
+        print(f"note: {line}")
 
 
 def _error(message: str, code: int) -> int:
