@@ -276,11 +276,20 @@ def _sorts_expert_ids(topk: ir.Node) -> bool:
     return False
 
 
+_HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
+
+
+def _half_precision(node: ir.Node) -> set[str]:
+    """The half-precision float types among ``node``'s inputs."""
+    return {_HALF[v.dtype] for v in node.inputs if v is not None and v.dtype in _HALF}
+
+
 def _unrecognised_reason(topk: ir.Node) -> str | None:
     """Why a TopK whose indices select experts matched no rule (None: they select nothing)."""
     if len(topk.outputs) < 2 or _sorts_expert_ids(topk):
         return None
     todo, seen, uses = [topk.outputs[1]], 0, set()
+    half: set[str] = set()
     while todo and seen < 8:
         v = todo.pop()
         seen += 1
@@ -291,6 +300,14 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
                 uses.add("argsort")
             else:
                 uses.add(user.op_type)
+                half.update(_half_precision(user))
+    selects = uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements", "OneHot", "argsort"}
+    half.update(_half_precision(topk))
+    if selects and half:
+        return (
+            f"not fused: the layer computes in {'/'.join(sorted(half))}; this version fuses "
+            "float32 layers only (float16/bfloat16 layers are left as they are)"
+        )
     if "argsort" in uses:
         return _SORTED_UNRECOGNISED
     if "OneHot" in uses:
