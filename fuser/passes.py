@@ -493,14 +493,16 @@ class FuseQkvPass(ir.passes.InPlacePass):
         _report_fusions(model.graph, self.report)
         for miss in misses:
             self.report.near_misses.append(
-                {
-                    "rule": miss.rule,
-                    "root": miss.root,
-                    "topk": None,
-                    "router": None,
-                    "reason": miss.reason,
-                    "values": list(miss.values),
-                }
+                _near_miss(
+                    rule=miss.rule,
+                    part="attention prelude",
+                    node=miss.values[0] if miss.values else miss.root,
+                    reason=miss.reason,
+                    root=miss.root,
+                    topk=None,
+                    router=None,
+                    values=list(miss.values),
+                )
             )
         return ir.passes.PassResult(model, modified=count > 0)
 
