@@ -49,7 +49,7 @@ def canonicalise(work: ir.Model) -> list[str]:
 
 def _copy_origin(src: ir.Graph, dst: ir.Graph, key: str) -> None:
     """Clones do not copy ``meta``: carry the origin tags over, value by value in order."""
-    for a, b in zip(_all_values(src), _all_values(dst)):
+    for a, b in zip(_all_values(src), _all_values(dst), strict=True):
         if a.meta.get(key):
             b.meta[key] = True
 

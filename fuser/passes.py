@@ -339,6 +339,10 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         """Canonicalise a working copy, fuse there, splice into ``model``; fill the report."""
         if not self.emit:
             return ir.passes.PassResult(model, modified=False)
+        # the working copy shares tensor objects with the model; some onnx-ir helpers rename a
+        # tensor they read (get_const_tensor names a Constant's tensor after its value), so the
+        # names are put back afterwards and the model's bytes outside fused layers stay the same
+        tensor_names = _shared_tensor_names(model.graph)
         work = model.clone()
         tag_origin(work.graph)
         self.report.canonicalisation.extend(canonicalise(work))
@@ -384,6 +388,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
                 result.node.metadata_props.pop(key, None)
         self._near_misses(tracer, work, fused_roots, fused_topks)
+        for tensor, name in tensor_names:
+            if tensor.name != name:
+                tensor.name = name
         return ir.passes.PassResult(model, modified=spliced > 0)
 
     def _near_misses(
@@ -436,6 +443,20 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                         values=[],
                     )
                 )
+
+
+def _shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
+    """Every initializer and Constant-attribute tensor of ``graph`` with its name now."""
+    out: list[tuple[Any, str | None]] = [
+        (v.const_value, v.const_value.name)
+        for v in graph.initializers.values()
+        if v.const_value is not None
+    ]
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
+                out.append((attr.value, attr.value.name))
+    return out
 
 
 def _split_part(reason: str) -> tuple[str | None, str]:

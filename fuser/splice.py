@@ -145,6 +145,10 @@ def _region(
         for v in node.inputs:
             if v is None:
                 continue
+            if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+                # a read of a shape only: the layer proof showed the fused node needs no more
+                # than the token count it takes (grouped_mm sizes its un-sort from Shape(x))
+                continue
             if id(v) in stop:
                 reached.add(id(v))
                 g.add_edge(("v", id(v)), ("n", id(node)))

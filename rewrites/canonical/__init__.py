@@ -21,5 +21,11 @@ __all__ = ["canonicalisation_passes"]
 
 
 def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
-    """Fresh instances of every canonicalisation pass, in pipeline order."""
-    return []
+    """Fresh instances of every canonicalisation pass, in pipeline order.
+
+    Layer forms come last: they read the parts in the spellings the earlier passes produce.
+    """
+    from .dense_experts import CanonicalDenseExpertsPass
+    from .sorted_experts import CanonicalSortedExpertsPass
+
+    return [CanonicalDenseExpertsPass(), CanonicalSortedExpertsPass()]

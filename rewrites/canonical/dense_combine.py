@@ -1,0 +1,150 @@
+"""Read the combine of a dense MoE layer: the sum over all E experts of mask * output.
+
+Used by :mod:`.dense_experts`, after :mod:`.dense_mask` has read the mask. The layer output is
+``sum_e dense[:, e] * y_e``, spelled as an ``Add`` tree (chain or balanced) of
+``Mul(y_e, column_e)`` over separate expert outputs, or, over stacked outputs ``Y [E, T, H]``,
+``ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)`` or
+``Squeeze(MatMul(Unsqueeze(dense, 1), Transpose(Y, [1, 0, 2])), 1)``. Substituting ``dense``,
+``sum_e dense[t, e] y_e(x_t) = sum_j w[t, j] y_{idx[t, j]}(x_t)``: the per-slot layer. A failed
+proof raises :class:`~onnx_moe_fuse.rewrites._graph_facts.Refusal`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from .._graph_facts import Refusal, attr_int, label
+from .dense_mask import (
+    DenseWeights,
+    Routing,
+    axes_are,
+    consumers,
+    is_op,
+    only_consumer,
+    other_operand,
+)
+
+__all__ = ["Combine", "read_combine"]
+
+
+@dataclass
+class Combine:
+    """The sum over all experts, ending at ``root``; ``nodes`` are the combine's own nodes.
+
+    The expert outputs it weights: ``per_expert`` (expert e -> ``y_e [T, H]``, the Add-tree
+    form) or ``stacked`` (``Y [E, T, H]``).
+    """
+
+    root: ir.Node
+    per_expert: dict[int, ir.Value] | None  # expert -> y_e [T, H]
+    stacked: ir.Value | None  # Y [E, T, H]
+    nodes: list[ir.Node] = field(default_factory=list)
+
+
+def _add_leaves(value: ir.Value, terms: dict[int, int], out: list[int], top: bool) -> bool:
+    """Collect the terms under an Add tree at ``value``; False if a leaf is not a term.
+
+    Inner Add outputs must feed only their parent Add (the top one may be used anywhere).
+    """
+    if id(value) in terms:
+        out.append(terms[id(value)])
+        return True
+    node = value.producer()
+    if not is_op(node, "Add"):
+        return False
+    if not top and (len(consumers(value)) != 1 or value.is_graph_output()):
+        return False
+    return all(_add_leaves(v, terms, out, False) for v in node.inputs)
+
+
+def _combine_columns(mask: DenseWeights, routing: Routing) -> Combine:
+    terms: dict[int, int] = {}
+    outputs: dict[int, ir.Value] = {}
+    nodes: list[ir.Node] = []
+    for e, col in mask.columns.items():
+        mul = only_consumer(col, f"expert {e}'s weight")
+        if not is_op(mul, "Mul"):
+            raise Refusal(f"expert {e}'s weight does not multiply an expert output")
+        outputs[e] = other_operand(mul, col)
+        terms[id(mul.outputs[0])] = e
+        nodes.append(mul)
+    # Walk up from one term to the highest Add whose leaves are all terms.
+    value = nodes[0].outputs[0]
+    root, leaves = None, []
+    while True:
+        users = consumers(value)
+        if len(users) != 1 or not is_op(users[0], "Add") or value.is_graph_output():
+            break
+        found: list[int] = []
+        if not _add_leaves(users[0].outputs[0], terms, found, True):
+            break
+        root, leaves, value = users[0], found, users[0].outputs[0]
+    if root is None or sorted(leaves) != list(range(routing.experts)):
+        raise Refusal(
+            "the combine does not add the weighted outputs of all "
+            f"E = {routing.experts} experts exactly once"
+        )
+    _collect_adds(root.outputs[0], terms, nodes)
+    return Combine(root, outputs, None, nodes)
+
+
+def _collect_adds(value: ir.Value, terms: dict[int, int], nodes: list[ir.Node]) -> None:
+    if id(value) in terms:
+        return
+    node = value.producer()
+    nodes.append(node)
+    for v in node.inputs:
+        _collect_adds(v, terms, nodes)
+
+
+def _perm(node: ir.Node | None) -> list[int] | None:
+    if not is_op(node, "Transpose"):
+        return None
+    attr = node.attributes.get("perm")
+    return None if attr is None else [int(p) for p in attr.value]
+
+
+def _combine_dense(mask: DenseWeights) -> Combine:
+    dense = mask.dense
+    user = only_consumer(dense, "the dense routing weights")
+    nodes: list[ir.Node] = [user]
+    if _perm(user) == [1, 0]:  # ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)
+        unsq = only_consumer(user.outputs[0], "the transposed dense weights")
+        if not is_op(unsq, "Unsqueeze") or not axes_are(unsq, 3, [2]):
+            raise Refusal(f"{label(user)}: the dense weights are not made [E, T, 1]")
+        mul = only_consumer(unsq.outputs[0], "the [E, T, 1] dense weights")
+        red = (
+            only_consumer(mul.outputs[0], "the weighted expert outputs")
+            if is_op(mul, "Mul")
+            else None
+        )
+        if red is None or not is_op(red, "ReduceSum") or not axes_are(red, 3, [0]):
+            raise Refusal(f"{label(unsq)}: the weighted expert outputs are not summed over E")
+        if attr_int(red, "keepdims", 1):
+            raise Refusal(f"{label(red)}: keeps the expert axis")
+        nodes += [unsq, mul, red]
+        return Combine(red, None, other_operand(mul, unsq.outputs[0]), nodes)
+    if is_op(user, "Unsqueeze") and axes_are(user, 3, [1]):  # MatMul(dense row, Y^T)
+        mm = only_consumer(user.outputs[0], "the dense weights row")
+        if not is_op(mm, "MatMul") or mm.inputs[0] is not user.outputs[0]:
+            raise Refusal(f"{label(user)}: the dense weights row does not multiply the experts")
+        tr = mm.inputs[1].producer()
+        if _perm(tr) != [1, 0, 2]:
+            raise Refusal(f"{label(mm)}: the expert outputs are not transposed to [T, E, H]")
+        sq = only_consumer(mm.outputs[0], "the mixed expert outputs")
+        if not is_op(sq, "Squeeze") or not axes_are(sq, 3, [1]):
+            raise Refusal(f"{label(mm)}: the unit axis of the mixed outputs is not squeezed")
+        nodes += [mm, sq]
+        if len(consumers(tr.outputs[0])) == 1:
+            nodes.append(tr)
+        return Combine(sq, None, tr.inputs[0], nodes)
+    raise Refusal(f"{label(user)}: the dense routing weights are not combined with stacked experts")
+
+
+def read_combine(mask: DenseWeights, routing: Routing) -> Combine:
+    """Prove that the layer output is ``sum_e dense[:, e] * y_e`` over all E experts."""
+    if mask.columns is not None:
+        return _combine_columns(mask, routing)
+    return _combine_dense(mask)
