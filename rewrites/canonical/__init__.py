@@ -27,5 +27,6 @@ def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
     """
     from .dense_experts import CanonicalDenseExpertsPass
     from .sorted_experts import CanonicalSortedExpertsPass
+    from .spellings import NormalizeSpellingsPass
 
-    return [CanonicalDenseExpertsPass(), CanonicalSortedExpertsPass()]
+    return [NormalizeSpellingsPass(), CanonicalDenseExpertsPass(), CanonicalSortedExpertsPass()]
