@@ -22,6 +22,9 @@ is a whole-pattern match that the rewriter refused because an intermediate value
 (with the escaping value named). A TopK whose indices feed expert selections but that no rule
 matched at all is reported too, as "not recognised", saying which known unfused form it is when
 it can tell: a sort of the ids (grouped_mm exports) or a one-hot mask (a loop over experts).
+A router MoE/QMoE cannot express (sigmoid scores, a selection bias, a group-limited top-k, a
+scaling factor, PhiMoE's sparse mixer: :mod:`onnx_moe_fuse.rewrites.routers`) is reported as
+"router not fusable", naming its form, once per router, with the scores node as ``router``.
 Near misses of layers that did fuse in the end are dropped.
 """
 
@@ -48,6 +51,7 @@ from onnx_moe_fuse.rewrites.moe_layer import (
     RULE_CLASSES,
     moe_layer_rule_set,
 )
+from onnx_moe_fuse.rewrites.routers import classify_router, router_near_miss
 from onnx_moe_fuse.splice import SpliceRefusal, splice_fused_node, tag_origin
 
 #: Every op the pipeline can emit.
@@ -284,11 +288,22 @@ def _half_precision(node: ir.Node) -> set[str]:
     return {_HALF[v.dtype] for v in node.inputs if v is not None and v.dtype in _HALF}
 
 
+def _expert_ids(node: ir.Node) -> ir.Value | None:
+    """The ids a TopK (output 1) or an ArgMax (output 0, a top-1 in torch exports) writes."""
+    index = 0 if node.op_type == "ArgMax" else 1
+    return node.outputs[index] if len(node.outputs) > index else None
+
+
 def _unrecognised_reason(topk: ir.Node) -> str | None:
-    """Why a TopK whose indices select experts matched no rule (None: they select nothing)."""
-    if len(topk.outputs) < 2 or _sorts_expert_ids(topk):
+    """Why a TopK / ArgMax whose ids select experts matched no rule (None: they select nothing).
+
+    A router that MoE/QMoE cannot express is named first (:mod:`onnx_moe_fuse.rewrites.routers`):
+    it is the refusal even where the experts' spelling is one no rule takes.
+    """
+    ids = _expert_ids(topk)
+    if ids is None or _sorts_expert_ids(topk):
         return None
-    todo, seen, uses = [topk.outputs[1]], 0, set()
+    todo, seen, uses = [ids], 0, set()
     half: set[str] = set()
     while todo and seen < 8:
         v = todo.pop()
@@ -308,6 +323,11 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
             f"not fused: the layer computes in {'/'.join(sorted(half))}; this version fuses "
             "float32 layers only (float16/bfloat16 layers are left as they are)"
         )
+    # a router no MoE/QMoE computes is the refusal, whatever else; ids scattered into a dense
+    # [T, E] weights tensor (Llama4's code) select experts too
+    router = router_near_miss(topk) if selects or "ScatterElements" in uses else None
+    if router is not None:
+        return router
     if "argsort" in uses:
         return _SORTED_UNRECOGNISED
     if "OneHot" in uses:
@@ -423,14 +443,21 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                     values=a.values,
                 )
             )
+        routers: set[int] = set()
         for node in work.graph:
-            if node.op_type != "TopK" or id(node) in explained:
+            if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
                 continue
             if node.outputs[0].name in fused_topks:
                 continue
             reason = _unrecognised_reason(node)
             if reason is not None:
-                router = node.inputs[0].producer() if node.inputs[0] else None
+                # the Softmax/Sigmoid of the router (before or after the TopK), else what it reads
+                router = classify_router(node).scores
+                if router is None and node.inputs and node.inputs[0] is not None:
+                    router = node.inputs[0].producer()
+                if reason.startswith("router not fusable") and id(router) in routers:
+                    continue  # one near miss per router: PhiMoE's two rounds read one router
+                routers.add(id(router))
                 self.report.near_misses.append(
                     _near_miss(
                         rule=None,

@@ -60,11 +60,6 @@ NOT_YET: dict[str, str | None] = {
     "by Transpose 'gate_kn_Transpose', so they cannot be repacked into the fused layout",
     "static_shapes": NOT_RECOGNISED,
     "qwen3_int4": NOT_RECOGNISED,
-    "router_sigmoid_topk": NOT_RECOGNISED,
-    "router_llama4_prescaled": NOT_RECOGNISED,
-    "router_deepseek_v3": NOT_RECOGNISED,
-    "router_softmax_scaled": NOT_RECOGNISED,
-    "router_phimoe_sparse_mixer": NOT_RECOGNISED,
 }
 
 
