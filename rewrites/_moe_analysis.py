@@ -52,6 +52,7 @@ from ._graph_facts import (
     const_ints,
     default_opset,
     label,
+    lead_dims,
     node_axes,
     normalize_axes,
     product,
@@ -389,15 +390,20 @@ def _combine(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.Node
             raise refuse(f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root)
         return root
     shape = const_ints(root.inputs[1])
-    lead = [Dim.sym(f"L{i}") for i in range(r - 1)]
+    lead = lead_dims(b["tokens"], r - 1)
     h = Dim.of(hidden)
     got = None if shape is None else reshape_dims([*lead, Dim.of(1), h], shape)
     if got != [*lead, h]:
         raise refuse(
-            f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine",
+            f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine "
+            f"(from {_dims([*lead, Dim.of(1), h])} it must make {_dims([*lead, h])})",
             root,
         )
     return root
+
+
+def _dims(dims: list[Dim]) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
 # -- 4. experts --------------------------------------------------------------------------------
@@ -590,7 +596,7 @@ def _expert(
         )
     ew = expert_weights(role, b.get(f"{tag}_weight"))
     e, kk, n = ew.shape
-    lead = [Dim.sym(f"L{i}") for i in range(r - 1)]
+    lead = lead_dims(b["tokens"], r - 1)  # concrete where a static export fixes them
     kd = Dim.of(k)
     gmm = bound_node(b, f"{tag}_gmm")
     if gmm is not None:
@@ -615,7 +621,8 @@ def _expert(
                 if got != want:
                     raise refuse(
                         f"{role}: Reshape '{label(node)}' (shape {shape}) does not flatten or "
-                        "restore the (token, slot) rows consistently",
+                        f"restore the (token, slot) rows consistently (from {_dims(dims_in)} it "
+                        f"must make {_dims(want)})",
                         node,
                     )
         bias = expert_bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
@@ -656,7 +663,9 @@ def _expert(
                     f"{role}: Expand '{label(expand)}' has no usable constant shape", expand
                 )
             padded = [1] * (r + 2 - len(shape)) + shape
-            ok = all(v == 1 for v in padded[: r - 1]) and padded[r - 1] in (1, k)
+            # a static export writes the token dims in: each is 1 or that dim of the tokens
+            ok = all(v == 1 or Dim.of(v) == d for v, d in zip(padded[: r - 1], lead, strict=True))
+            ok = ok and padded[r - 1] in (1, k)
             ok = ok and padded[r] == 1 and padded[r + 1] in (1, kk)
             if not ok:
                 raise refuse(
@@ -677,7 +686,9 @@ def _expert(
             )
         if got != [*lead, kd, Dim.of(n)]:
             raise refuse(
-                f"{role}: Reshape '{label(drop)}' (shape {shape}) does not just drop the row axis",
+                f"{role}: Reshape '{label(drop)}' (shape {shape}) does not just drop the row axis "
+                f"(from {_dims([*lead, kd, Dim.of(1), Dim.of(n)])} it must make "
+                f"{_dims([*lead, kd, Dim.of(n)])})",
                 drop,
             )
     bias = None

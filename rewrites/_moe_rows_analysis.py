@@ -19,6 +19,11 @@ the routing form (:func:`~._moe_analysis.routing_form`), the weights and biases
 transpose), sizes, activation, target and escapes (:func:`~._moe_analysis.finish_layer`).
 Like :func:`~._moe_analysis.analyse_layer`, it is a pure function of the graph and the bindings
 and raises :class:`~._moe_analysis.Refusal` with a plain-words reason.
+
+The token count ``T`` is a symbol (the proofs hold for every ``T``) unless the graph fixes it
+(a static export: the tokens, router scores or top-k values have a concrete first dim); then it
+is that number, and a concrete Reshape target, Expand shape or row count is accepted exactly when
+it equals what the proof needs (``[16]`` flattens the ``[8, 2]`` top-k ids, ``[12]`` does not).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ._graph_facts import (
     normalize_axes,
     reshape_dims,
     static_rank,
+    value_dims,
     value_label,
 )
 from ._moe_analysis import (
@@ -59,6 +65,19 @@ __all__ = ["analyse_rows_layer"]
 _T = Dim.sym("T")
 
 
+def _token_count(b: Mapping[str, Any]) -> Dim:
+    """``T``: the first dim of the tokens, router scores or top-k values where the graph fixes it.
+
+    All three have ``T`` rows (the routing proof ties the scores to the tokens), so a concrete
+    size of any of them is the layer's token count; otherwise ``T`` stays a symbol.
+    """
+    for name in ("tokens", "router_scores", "topk_values"):
+        dims = value_dims(b.get(name))
+        if dims and not dims[0].syms:
+            return dims[0]
+    return _T
+
+
 def _reshape_to(node: ir.Node, dims_in: list[Dim], want: list[Dim], what: str) -> None:
     """Prove that Reshape ``node`` maps a ``dims_in`` tensor to ``want``; refuse otherwise."""
     shape = const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
@@ -68,13 +87,17 @@ def _reshape_to(node: ir.Node, dims_in: list[Dim], want: list[Dim], what: str) -
     if got != want:
         raise refuse(
             f"Reshape '{label(node)}' (shape {shape}) does not {what} (from {_dims(dims_in)} "
-            f"it must make {_dims(want)})",
+            f"it must make {_dims(want)}{_got(got)})",
             node,
         )
 
 
 def _dims(dims: list[Dim]) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _got(got: list[Dim] | None) -> str:
+    return "" if got is None else f", not {_dims(got)}"
 
 
 def _axes_are(node: ir.Node, rank: int, want: list[int], what: str) -> None:
@@ -113,9 +136,11 @@ def _rows_rank(b: Mapping[str, Any]) -> None:
             )
 
 
-def _token_rows(b: Mapping[str, Any], k: int, hidden: int) -> None:
+def _token_rows(b: Mapping[str, Any], t: Dim, k: int, hidden: int) -> None:
     """``rows = Reshape(Expand|Tile(Unsqueeze(x, [1]), ...), [-1, H])``: each token k times."""
     h = Dim.of(hidden)
+    # a static export writes the token count into the Expand shape: [T, k, H] with T = 8
+    token_sizes = (1,) if t.syms else (1, t.coef)
     unsq = _require(b, "token_repeat_unsq")
     _axes_are(unsq, 3, [1], "add the slot axis to the tokens [T, H] -> [T, 1, H]")
     repeat = _require(b, "token_repeat")
@@ -124,22 +149,23 @@ def _token_rows(b: Mapping[str, Any], k: int, hidden: int) -> None:
         ok = values == [1, k, 1]
     else:  # Expand: broadcast [T, 1, H] against the (right-aligned) shape
         padded = None if values is None or len(values) > 3 else [1] * (3 - len(values)) + values
-        ok = padded is not None and padded[0] == 1 and padded[1] == k and padded[2] in (1, hidden)
+        ok = padded is not None and padded[0] in token_sizes and padded[1] == k
+        ok = ok and padded[2] in (1, hidden)
     if not ok:
         raise refuse(
             f"{repeat.op_type} '{label(repeat)}' ({values}) does not repeat each token exactly "
-            f"k = {k} times",
+            f"k = {k} times (T = {t} tokens [T, 1, H])",
             repeat,
         )
     _reshape_to(
-        _require(b, "token_rows"), [_T, Dim.of(k), h], [_T * Dim.of(k), h], "flatten [T, k, H]"
+        _require(b, "token_rows"), [t, Dim.of(k), h], [t * Dim.of(k), h], "flatten [T, k, H]"
     )
 
 
-def _expert_ids(b: Mapping[str, Any], k: int) -> None:
+def _expert_ids(b: Mapping[str, Any], t: Dim, k: int) -> None:
     """``ids = Unsqueeze(Reshape(topk_indices, [-1]), [-1])``: ``[T*k, 1]`` in row order."""
     flat = _require(b, "expert_ids_flat")
-    _reshape_to(flat, [_T, Dim.of(k)], [_T * Dim.of(k)], "flatten the top-k ids [T, k]")
+    _reshape_to(flat, [t, Dim.of(k)], [t * Dim.of(k)], "flatten the top-k ids [T, k]")
     _axes_are(_require(b, "expert_ids"), 2, [1], "make the flat ids [T*k, 1] GatherND indices")
 
 
@@ -155,9 +181,9 @@ def _gather_nd(node: ir.Node, role: str) -> None:
         )
 
 
-def _row_expert(b: Mapping[str, Any], tag: str, role: str, k: int) -> ExpertWeights:
+def _row_expert(b: Mapping[str, Any], tag: str, role: str, t: Dim, k: int) -> ExpertWeights:
     """Prove one projection ``[T*k, K] -> [T*k, N]`` of the rows' experts; its weights."""
-    rows = _T * Dim.of(k)
+    rows = t * Dim.of(k)
     gather = _require(b, f"{tag}_gather")
     _gather_nd(gather, role)
     layout = b.get(f"{tag}_layout")
@@ -192,15 +218,15 @@ def _row_expert(b: Mapping[str, Any], tag: str, role: str, k: int) -> ExpertWeig
 # -- combine -----------------------------------------------------------------------------------
 
 
-def _combine(b: Mapping[str, Any], k: int, hidden: int) -> None:
+def _combine(b: Mapping[str, Any], t: Dim, k: int, hidden: int) -> None:
     """``ReduceSum(Reshape(Mul(out, Unsqueeze(Reshape(w, [-1]), [-1])), [-1, k, H]), [1])``."""
     kd, h = Dim.of(k), Dim.of(hidden)
-    _reshape_to(_require(b, "weights_flat"), [_T, kd], [_T * kd], "flatten the routing weights")
+    _reshape_to(_require(b, "weights_flat"), [t, kd], [t * kd], "flatten the routing weights")
     _axes_are(_require(b, "weights_col"), 2, [1], "make the flat routing weights [T*k, 1]")
     _reshape_to(
         _require(b, "combine_unflat"),
-        [_T * kd, h],
-        [_T, kd, h],
+        [t * kd, h],
+        [t, kd, h],
         "restore the [T, k, H] slots of the weighted rows",
     )
     root = _require(b, "layer_out")
@@ -231,12 +257,13 @@ def analyse_rows_layer(
     _rows_rank(b)
     routing = routing_form(b, 2, opset)
     k = routing.k
-    _expert_ids(b, k)
-    fc1 = tuple(_row_expert(b, tag, role, k) for tag, role in FC1_PROJECTIONS[family])
-    fc2 = _row_expert(b, "fc2", "FC2", k)
+    t = _token_count(b)
+    _expert_ids(b, t, k)
+    fc1 = tuple(_row_expert(b, tag, role, t, k) for tag, role in FC1_PROJECTIONS[family])
+    fc2 = _row_expert(b, "fc2", "FC2", t, k)
     hidden = fc2.shape[2]
-    _token_rows(b, k, hidden)
-    _combine(b, k, hidden)
+    _token_rows(b, t, k, hidden)
+    _combine(b, t, k, hidden)
     return finish_layer(
         b,
         family=family,

@@ -926,6 +926,12 @@ def main(argv: list[str] | None = None) -> int:
             "models": entries,
             "failed_exports": failed,
         }
+        # export_causal_lm.py's pointer to its own index (causal_lm/index.json): kept.
+        old_path = args.out_dir / "index.json"
+        if old_path.exists():
+            old_index = json.loads(old_path.read_text(encoding="utf-8"))
+            if "causal_lm" in old_index:
+                index["causal_lm"] = old_index["causal_lm"]
         (args.out_dir / "index.json").write_text(
             json.dumps(index, indent=2) + "\n", encoding="utf-8"
         )

@@ -26,7 +26,15 @@ def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
     Layer forms come last: they read the parts in the spellings the earlier passes produce.
     """
     from .dense_experts import CanonicalDenseExpertsPass
+    from .fold_shapes import FoldShapesPass
+    from .fold_weight_layout import FoldWeightLayoutPass
     from .sorted_experts import CanonicalSortedExpertsPass
     from .spellings import NormalizeSpellingsPass
 
-    return [NormalizeSpellingsPass(), CanonicalDenseExpertsPass(), CanonicalSortedExpertsPass()]
+    return [
+        FoldShapesPass(),
+        FoldWeightLayoutPass(),
+        NormalizeSpellingsPass(),
+        CanonicalDenseExpertsPass(),
+        CanonicalSortedExpertsPass(),
+    ]

@@ -171,7 +171,7 @@ def test_fused_matches_dense(spec: DenseSpec, rng: np.random.Generator) -> None:
     model = build_dense(spec)
     working, modified = canonical(model)
     assert modified
-    result = fuse(working)
+    result = fuse(model)  # the pipeline canonicalises itself
     assert [f["op"] for f in result.report.fusions] == [fuses_to(spec)], result.report
     x = tokens(rng, spec)
     assert nonzero_rel_err(run(result.model, x), run(model, x)) < TOL
@@ -187,9 +187,10 @@ def test_fused_matches_dense(spec: DenseSpec, rng: np.random.Generator) -> None:
 )
 def test_rule_refusals_speak_of_the_layer(spec: DenseSpec, reason: str) -> None:
     """Where the layer rules refuse, they refuse the layer (QMoE limits), not the spelling."""
-    working, modified = canonical(build_dense(spec))
+    model = build_dense(spec)
+    working, modified = canonical(model)
     assert modified
-    result = fuse(working)
+    result = fuse(model)  # the pipeline canonicalises itself
     assert not result.report.fusions
     assert any(reason in m["reason"] for m in result.report.near_misses), result.report
 
@@ -225,7 +226,7 @@ def test_property_any_sizes(
     model = build_dense(spec)
     working, modified = canonical(model)
     assert modified
-    result = fuse(working)
+    result = fuse(model)  # the pipeline canonicalises itself
     assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report
     x = np.random.default_rng(seed).standard_normal((count, hidden)).astype(np.float32)
     assert nonzero_rel_err(run(result.model, x), run(model, x)) < TOL
@@ -246,7 +247,7 @@ def test_matmul_nbits_experts_fuse(spec: DenseSpec, rng: np.random.Generator) ->
     assert modified
     counts = ops(working)
     assert counts["MatMulNBits"] == 0 and counts["DequantizeLinear"] == counts["GroupedMatMul"]
-    result = fuse(working)
+    result = fuse(model)  # the pipeline canonicalises itself
     assert [f["op"] for f in result.report.fusions] == ["QMoE"], result.report
     assert nonzero_rel_err(run(result.model, x), run(model, x)) < TOL
 
@@ -270,7 +271,7 @@ def test_matmul_nbits_zero_points(rng: np.random.Generator) -> None:
     symmetric = with_nbits_zero_points(build_dense(spec), 0x88)  # zp 8 in both nibbles
     working, modified = canonical(symmetric)
     assert modified
-    result = fuse(working)
+    result = fuse(symmetric)  # the pipeline canonicalises itself
     assert [f["op"] for f in result.report.fusions] == ["QMoE"]
     assert nonzero_rel_err(run(result.model, x), run(symmetric, x)) < TOL
     # asymmetric (zp 7 low, 9 high): canonical, exact as DQ, refused by the QMoE rules
@@ -279,7 +280,7 @@ def test_matmul_nbits_zero_points(rng: np.random.Generator) -> None:
     assert modified
     want = run(skewed, x)
     assert nonzero_rel_err(run(lowered_to_ort(working), x), want) < TOL
-    result = fuse(working)
+    result = fuse(skewed)  # the pipeline canonicalises itself
     assert not result.report.fusions
     assert any("zero point" in m["reason"] for m in result.report.near_misses)
 
@@ -335,7 +336,7 @@ def test_experts_stacked_in_mask_order(rng: np.random.Generator) -> None:
     originals = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
     np.testing.assert_array_equal(fc1.inputs[1].const_value.numpy()[0], originals["fc1_1_weight"])
     np.testing.assert_array_equal(fc1.inputs[1].const_value.numpy()[1], originals["fc1_0_weight"])
-    result = fuse(working)
+    result = fuse(model)  # the pipeline canonicalises itself
     x = tokens(rng, spec)
     assert nonzero_rel_err(run(result.model, x), run(model, x)) < TOL
 
@@ -350,7 +351,7 @@ def test_int8_dequantize_granularities(granularity, fused, rng: np.random.Genera
     assert modified
     assert ops(working)["DequantizeLinear"] == 2
     assert nonzero_rel_err(run(lowered_to_ort(working), x), run(model, x)) < TOL
-    result = fuse(working)
+    result = fuse(model)  # the pipeline canonicalises itself
     assert [f["op"] for f in result.report.fusions] == ([fused] if fused else [])
     if fused:
         assert nonzero_rel_err(run(result.model, x), run(model, x)) < TOL

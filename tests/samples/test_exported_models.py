@@ -5,10 +5,16 @@ these tests need neither. Each model must load, pass the ONNX checker, run in ON
 provider with graph optimisations off, and reproduce the PyTorch output stored beside it
 (``<name>.npz``) within 1e-4 relative. Its record (``<name>.json``) must describe the file as
 committed. See ``docs/exported-models.md``.
+
+``causal_lm/`` holds whole 2-layer ``*ForCausalLM`` exports (input ``input_ids``, output
+``logits``): each must reproduce the PyTorch logits stored beside it (float32 within 1e-4
+relative, float16 within 2e-2), its dynamic ones on a prefix and on one batch row too, and its
+``expected`` must follow the family's router (fusable in float32 only when softmax top-k).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -182,3 +188,167 @@ def test_batched_mm_spellings(name: str) -> None:
         assert sp["router"] == ["Gemm -> Softmax", "Softmax -> TopK"]
         assert ops["Split"] == 1 and ops["Slice"] == 0 and ops["Clip"] == 0
         assert ops["GatherND"] == 2
+
+
+# -- whole 2-layer *ForCausalLM models (sample_models/exported/causal_lm/) -----------------------
+
+CAUSAL = EXPORTED / "causal_lm"
+CAUSAL_INDEX = json.loads((CAUSAL / "index.json").read_text(encoding="utf-8"))
+CAUSAL_NAMES = [entry["name"] for entry in CAUSAL_INDEX["models"]]
+CAUSAL_RECORDS = {
+    n: json.loads((CAUSAL / f"{n}.json").read_text(encoding="utf-8")) for n in CAUSAL_NAMES
+}
+CAUSAL_DYNAMIC = [n for n in CAUSAL_NAMES if CAUSAL_RECORDS[n]["dynamic_shapes"]]
+#: ORT vs PyTorch logits, max |diff| / max |ref|: float16 rounds differently op by op.
+CAUSAL_RTOL = {"float32": 1e-4, "float16": 2e-2}
+CAUSAL_MAX_BYTES = 2 << 20
+CAUSAL_MAX_TOTAL_BYTES = 40 << 20
+#: What each family's router is, from transformers' modeling code (stated here independently of
+#: the records, which the export script writes): softmax top-k families fuse into MoE per layer
+#: in float32, the others must be refused naming the router.
+ROUTER_FORMS = {
+    "mixtral": "softmax_topk",
+    "qwen3_moe": "softmax_topk",
+    "qwen2_moe": "softmax_topk",
+    "olmoe": "softmax_topk",
+    "qwen3_next": "softmax_topk",
+    "gpt_oss": "topk_softmax",
+    "granitemoe": "topk_softmax",
+    "phimoe": "sparsemixer",
+    "deepseek_v3": "sigmoid_bias_group_topk",
+    "llama4": "sigmoid_topk_dense",
+}
+FUSABLE_ROUTERS = {"softmax_topk", "topk_softmax"}
+
+
+@functools.cache
+def causal_session(name: str) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    return ort.InferenceSession(
+        str(CAUSAL / f"{name}.onnx"), opts, providers=["CPUExecutionProvider"]
+    )
+
+
+def causal_reference(name: str) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(CAUSAL / f"{name}.npz") as data:
+        return data["input_ids"], data["logits"]
+
+
+def test_causal_index_lists_every_file() -> None:
+    files = sorted(p.name for p in CAUSAL.iterdir())
+    want = sorted(
+        ["index.json"] + [f"{n}{s}" for n in CAUSAL_NAMES for s in (".onnx", ".npz", ".json")]
+    )
+    assert files == want
+    assert len(set(CAUSAL_NAMES)) == len(CAUSAL_NAMES)
+    failed = CAUSAL_INDEX["failed_exports"]
+    assert not {f["name"] for f in failed} & set(CAUSAL_NAMES)
+    for f in failed:
+        assert f["error"].strip(), f["name"]
+    for entry in CAUSAL_INDEX["models"]:
+        rec = CAUSAL_RECORDS[entry["name"]]
+        assert {k: rec[k] for k in entry} == entry
+    # The top-level index points at this one.
+    assert INDEX["causal_lm"]["index"] == "causal_lm/index.json"
+
+
+def test_causal_set_is_small() -> None:
+    sizes = {p.name: p.stat().st_size for p in CAUSAL.iterdir()}
+    assert max(sizes.values()) <= CAUSAL_MAX_BYTES
+    assert sum(sizes.values()) <= CAUSAL_MAX_TOTAL_BYTES
+
+
+def test_causal_covers_the_families() -> None:
+    """Every family is exported or its failures are recorded; each exported one in both dtypes."""
+    families = {CAUSAL_RECORDS[n]["family"] for n in CAUSAL_NAMES}
+    failed_families = {f["family"] for f in CAUSAL_INDEX["failed_exports"]}
+    assert families | failed_families == set(ROUTER_FORMS)
+    for family in families:
+        dtypes = {
+            CAUSAL_RECORDS[n]["dtype"]
+            for n in CAUSAL_NAMES
+            if CAUSAL_RECORDS[n]["family"] == family
+        }
+        assert dtypes == {"float32", "float16"}, family
+
+
+@pytest.mark.parametrize("name", CAUSAL_NAMES)
+def test_causal_file_valid_and_shaped_as_recorded(name: str) -> None:
+    rec = CAUSAL_RECORDS[name]
+    model = onnx.load(str(CAUSAL / f"{name}.onnx"), load_external_data=False)
+    for init in model.graph.initializer:
+        assert init.data_location != onnx.TensorProto.EXTERNAL, init.name
+    onnx.checker.check_model(model)
+    assert rec["file_bytes"] == (CAUSAL / rec["file"]).stat().st_size
+    assert rec["op_histogram"] == dict(Counter(n.op_type for n in model.graph.node))
+    assert rec["node_count"] == len(model.graph.node)
+    assert rec["opset_import"].get("ai.onnx") == rec["opset"]
+    assert rec["versions"]["torch"].startswith("2.13.")
+    (inp,) = model.graph.input
+    (out,) = model.graph.output
+    assert (inp.name, out.name) == ("input_ids", "logits")
+    assert inp.type.tensor_type.elem_type == onnx.TensorProto.INT64
+    want_out = onnx.TensorProto.FLOAT16 if rec["dtype"] == "float16" else onnx.TensorProto.FLOAT
+    assert out.type.tensor_type.elem_type == want_out
+    dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
+    if rec["dynamic_shapes"]:
+        assert all(isinstance(d, str) for d in dims), dims
+    else:
+        assert dims == [2, 8]
+
+
+@pytest.mark.parametrize("name", CAUSAL_NAMES)
+def test_causal_matches_pytorch_logits(name: str) -> None:
+    rec = CAUSAL_RECORDS[name]
+    ids, want = causal_reference(name)
+    assert ids.shape == (2, 8) and ids.dtype == np.int64
+    assert want.dtype == np.dtype(rec["dtype"])
+    (got,) = causal_session(name).run(None, {"input_ids": ids})
+    assert got.shape == want.shape == (2, 8, rec["config"].get("vocab_size", 128))
+    err = rel_err(got.astype(np.float32), want.astype(np.float32))
+    tol = CAUSAL_RTOL[rec["dtype"]]
+    assert rec["reference"]["rtol"] <= tol
+    assert err <= tol, f"{name}: ORT vs PyTorch logits max relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", CAUSAL_DYNAMIC)
+def test_causal_dynamic_prefix_and_row_give_reference_logits(name: str) -> None:
+    """A causal LM's logits on a prefix, or on one batch row, are those rows of the reference.
+
+    Checks the dynamic batch and sequence without torch: one token, an odd prefix, one row.
+    """
+    rec = CAUSAL_RECORDS[name]
+    ids, want = causal_reference(name)
+    tol = CAUSAL_RTOL[rec["dtype"]]
+    for sl in (np.s_[0:1, 0:1], np.s_[0:2, 0:5], np.s_[1:2, :]):
+        (got,) = causal_session(name).run(None, {"input_ids": np.ascontiguousarray(ids[sl])})
+        assert got.shape == want[sl].shape
+        err = rel_err(got.astype(np.float32), want[sl].astype(np.float32))
+        assert err <= tol, f"{name} on {ids[sl].shape}: max relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", CAUSAL_NAMES)
+def test_causal_expected_follows_the_router(name: str) -> None:
+    """``expected``: MoE per float32 softmax-top-k layer; else refused, naming router or dtype."""
+    rec = CAUSAL_RECORDS[name]
+    form = ROUTER_FORMS[rec["family"]]
+    assert rec["router"]["form"] == form
+    layers = rec["expected_layers"]
+    assert [e["layer"] for e in layers] == list(range(rec["config"].get("num_hidden_layers", 2)))
+    moe_layers = [e for e in layers if e["outcome"] != "no MoE"]
+    assert moe_layers, "a MoE model without a MoE layer"
+    for e in moe_layers:
+        if rec["dtype"] != "float32":
+            assert (e["outcome"], e["refusal_names"]) == ("refused", "dtype")
+        elif form in FUSABLE_ROUTERS:
+            assert e["outcome"] == "MoE"
+            attrs = e["attributes"]
+            assert attrs["normalize_routing_weights"] == int(rec["router"]["renormalised"])
+            assert attrs["k"] == rec["config"].get("num_experts_per_tok", 2)
+            assert attrs["activation_type"] == "swiglu" and attrs["swiglu_fusion"] == 1
+        else:
+            assert (e["outcome"], e["refusal_names"]) == ("refused", "router")
+    fused = sum(e["outcome"] == "MoE" for e in layers)
+    assert rec["expected"] == ([["MoE", fused]] if fused else [])

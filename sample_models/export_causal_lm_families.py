@@ -1,0 +1,384 @@
+"""The transformers MoE families exported whole by ``export_causal_lm.py``: configs and facts.
+
+For each family: a tiny config made in code (hidden 64, 2 layers, 2 heads, vocab 128, 4-8
+experts, top-k 2, expert intermediate 16 so that no expert weight is square), the
+``*ForCausalLM`` class, and what its MoE layers compute, read from the installed transformers'
+modeling code (``transformers/models/<family>/modeling_<family>.py``, version in each record).
+``router`` records the routing form found there; ``expected_layer`` says what a correct fuser
+must do with one MoE layer of that family in float32 (``MoE`` or refused, and what the refusal
+must name). Kept apart from the export machinery so the facts can be read in one sitting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+HIDDEN = 64
+VOCAB = 128
+LAYERS = 2
+HEADS = 2
+EXPERT_INTERMEDIATE = 16  # 2I = 32, I = 16, H = 64: no square expert weight
+DENSE_INTERMEDIATE = 40  # dense MLPs and shared experts
+
+# Fields every tiny config shares (each family's names for them).
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.1,  # std 0.02 routes almost uniformly; 0.1 makes top-k decisive
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": False,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers MoE family: how to make its tiny model, and what its MoE layers are."""
+
+    name: str
+    config_class: str
+    model_class: str
+    config: dict[str, Any]
+    # The MoE block classes (decoder layers holding another MLP are dense: nothing to fuse).
+    moe_blocks: tuple[str, ...]
+    router: dict[str, Any]
+    # What a correct fuser must do with one float32 MoE layer: {"outcome": "MoE", "attributes":
+    # ...} or {"outcome": "refused", "refusal_names": "router", ...}.
+    expected_layer: Callable[[Any], dict[str, Any]]
+    # Whether config.experts_implementation selects batched_mm / grouped_mm for its experts
+    # (``transformers.integrations.moe.use_experts_implementation`` on the experts class).
+    dispatches_experts: bool = True
+    # Also export float16 with static shapes (for a family whose dynamic exports cannot be made,
+    # so that it still has a float16 export).
+    static_fp16: bool = False
+
+
+def _moe(k: int, normalize: bool, **extra: Any) -> dict[str, Any]:
+    attrs = {
+        "k": k,
+        "normalize_routing_weights": int(normalize),
+        "activation_type": "swiglu",
+        "swiglu_fusion": 1,
+        "activation_alpha": 1.0,
+        "activation_beta": 0.0,
+        **extra,
+    }
+    return {"outcome": "MoE", "attributes": attrs}
+
+
+def _refused(names: str, why: str) -> dict[str, Any]:
+    return {"outcome": "refused", "refusal_names": names, "why": why}
+
+
+_SOFTMAX_TOPK = (
+    "logits = x @ W.T (no bias); probs = softmax(logits, float32); top-k of probs; {renorm}"
+)
+_TOPK_SOFTMAX = (
+    "logits = x @ W.T{bias}; top-k of the logits; softmax over the k values "
+    "(= softmax over all, top-k, renormalised)"
+)
+_SHARED_GATED = (
+    "plus a shared expert: sigmoid(x @ shared_expert_gate.T) * down(silu(gate(x)) * up(x)), "
+    "added to the routed sum (stays outside the fused MoE)"
+)
+
+
+def _renorm(flag: bool) -> str:
+    return (
+        "divided by the sum of the k values (norm_topk_prob=True)"
+        if flag
+        else "the k softmax values as they are (norm_topk_prob=False)"
+    )
+
+
+FAMILIES: list[Family] = [
+    Family(
+        name="mixtral",
+        config_class="MixtralConfig",
+        model_class="MixtralForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 32,
+        },
+        moe_blocks=("MixtralSparseMoeBlock",),
+        router={
+            "form": "softmax_topk",
+            "code": "MixtralTopKRouter: " + _SOFTMAX_TOPK.format(renorm=_renorm(True)),
+            "renormalised": True,
+            "shared_expert": None,
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, True),
+    ),
+    Family(
+        name="qwen3_moe",
+        config_class="Qwen3MoeConfig",
+        model_class="Qwen3MoeForCausalLM",
+        config={
+            "intermediate_size": DENSE_INTERMEDIATE,
+            "moe_intermediate_size": EXPERT_INTERMEDIATE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,  # Qwen3-30B-A3B's config.json (class default False)
+            "head_dim": 32,
+        },
+        moe_blocks=("Qwen3MoeSparseMoeBlock",),
+        router={
+            "form": "softmax_topk",
+            "code": "Qwen3MoeTopKRouter: " + _SOFTMAX_TOPK.format(renorm=_renorm(True)),
+            "renormalised": True,
+            "shared_expert": None,
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, c.norm_topk_prob),
+    ),
+    Family(
+        name="qwen2_moe",
+        config_class="Qwen2MoeConfig",
+        model_class="Qwen2MoeForCausalLM",
+        config={
+            "intermediate_size": DENSE_INTERMEDIATE,
+            "moe_intermediate_size": EXPERT_INTERMEDIATE,
+            "shared_expert_intermediate_size": DENSE_INTERMEDIATE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,  # Qwen1.5-MoE-A2.7B
+        },
+        moe_blocks=("Qwen2MoeSparseMoeBlock",),
+        router={
+            "form": "softmax_topk",
+            "code": "Qwen2MoeTopKRouter: "
+            + _SOFTMAX_TOPK.format(renorm=_renorm(False))
+            + "; "
+            + _SHARED_GATED,
+            "renormalised": False,
+            "shared_expert": "sigmoid-gated",
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, c.norm_topk_prob),
+    ),
+    Family(
+        name="olmoe",
+        config_class="OlmoeConfig",
+        model_class="OlmoeForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,  # OLMoE-1B-7B
+        },
+        moe_blocks=("OlmoeSparseMoeBlock",),
+        router={
+            "form": "softmax_topk",
+            "code": "OlmoeTopKRouter: " + _SOFTMAX_TOPK.format(renorm=_renorm(False)),
+            "renormalised": False,
+            "shared_expert": None,
+            "note": "q/k RMSNorm over the whole projection (OlmoeAttention q_norm, k_norm)",
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, c.norm_topk_prob),
+    ),
+    Family(
+        name="gpt_oss",
+        config_class="GptOssConfig",
+        model_class="GptOssForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 32,
+            "sliding_window": 4,  # layer 0 sliding, layer 1 full (the default alternation)
+            "swiglu_limit": 7.0,
+            "swiglu_alpha": 1.702,
+        },
+        moe_blocks=("GptOssMLP",),
+        router={
+            "form": "topk_softmax",
+            "code": "GptOssTopKRouter: "
+            + _TOPK_SOFTMAX.format(bias=" + router.bias")
+            + "; experts: interleaved gate/up (even/odd columns), [E, in, out] weights with "
+            "biases, gate clamped above at swiglu_limit, up clamped to +-swiglu_limit, "
+            "(up + 1) * gate * sigmoid(alpha * gate)",
+            "renormalised": True,
+            "shared_expert": None,
+        },
+        expected_layer=lambda c: _moe(
+            c.num_experts_per_tok,
+            True,
+            activation_alpha=c.swiglu_alpha,
+            activation_beta=1.0,
+            swiglu_limit=c.swiglu_limit,
+        ),
+    ),
+    Family(
+        name="granitemoe",
+        config_class="GraniteMoeConfig",
+        model_class="GraniteMoeForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            # Non-trivial multipliers, as granite-3.0-1b-a400m's config.json has.
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.015625,
+            "logits_scaling": 6.0,
+        },
+        moe_blocks=("GraniteMoeMoE",),
+        router={
+            "form": "topk_softmax",
+            "code": "GraniteMoeTopKRouter: " + _TOPK_SOFTMAX.format(bias=" (no bias)"),
+            "renormalised": True,
+            "shared_expert": None,
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, True),
+    ),
+    Family(
+        name="phimoe",
+        config_class="PhimoeConfig",
+        model_class="PhimoeForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 32,
+        },
+        moe_blocks=("PhimoeSparseMoeBlock",),
+        router={
+            "form": "sparsemixer",
+            "code": "PhimoeTopKRouter -> sparsemixer (eval): expert 1 = argmax(logits), weight = "
+            "softmax of the logits masked to -inf where (max - l) / max(|l|, max) > "
+            "2 * router_jitter_noise, taken at expert 1; expert 2 = argmax with expert 1 set "
+            "to -inf, weight = the same masked softmax around the second max (top-2 only)",
+            "renormalised": None,
+            "shared_expert": None,
+        },
+        expected_layer=lambda c: _refused(
+            "router",
+            "sparsemixer routing (two masked softmaxes around the first and second maximum, "
+            "threshold 2 * router_jitter_noise) is not softmax top-k: no MoE normalisation "
+            "computes it",
+        ),
+    ),
+    Family(
+        name="deepseek_v3",
+        config_class="DeepseekV3Config",
+        model_class="DeepseekV3ForCausalLM",
+        config={
+            "intermediate_size": DENSE_INTERMEDIATE,
+            "moe_intermediate_size": EXPERT_INTERMEDIATE,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "first_k_dense_replace": 1,  # layer 0 dense MLP, layer 1 MoE (as the real model)
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_key_value_heads": HEADS,
+        },
+        moe_blocks=("DeepseekV3MoE",),
+        router={
+            "form": "sigmoid_bias_group_topk",
+            "code": "DeepseekV3TopkRouter: scores = sigmoid(x @ W.T) (float32); choice = scores + "
+            "e_score_correction_bias; group score = sum of the top-2 choices per group, top "
+            "topk_group groups kept, others -inf; top-k of choice; weights = scores at those "
+            "experts / (their sum + 1e-20) * routed_scaling_factor; plus ungated shared experts",
+            "renormalised": True,
+            "shared_expert": "ungated (DeepseekV3MLP, n_shared_experts * moe_intermediate_size)",
+        },
+        expected_layer=lambda c: _refused(
+            "router",
+            "sigmoid scores with e_score_correction_bias, group-limited top-k and "
+            "routed_scaling_factor: not softmax top-k",
+        ),
+    ),
+    Family(
+        name="llama4",
+        config_class="Llama4TextConfig",
+        model_class="Llama4ForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "intermediate_size_mlp": DENSE_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 32,
+            "interleave_moe_layer_step": 1,
+            "attention_chunk_size": 8,
+        },
+        moe_blocks=("Llama4TextMoe",),
+        router={
+            "form": "sigmoid_topk_dense",
+            "code": "Llama4Router: logits = x @ W.T; top-k of the logits; scores = sigmoid of the "
+            "top-k logits scattered into -inf elsewhere (0 after sigmoid); every expert runs on "
+            "every token, its input pre-scaled by its score (Llama4TextExperts bmm over all "
+            "experts), summed, plus an ungated shared expert",
+            "renormalised": False,
+            "shared_expert": "ungated (Llama4TextMLP)",
+        },
+        expected_layer=lambda c: _refused(
+            "router",
+            "sigmoid of the top-k logits (not softmax), applied to the expert input, not its "
+            "output",
+        ),
+        dispatches_experts=False,
+    ),
+    Family(
+        name="qwen3_next",
+        config_class="Qwen3NextConfig",
+        model_class="Qwen3NextForCausalLM",
+        config={
+            "intermediate_size": DENSE_INTERMEDIATE,
+            "moe_intermediate_size": EXPERT_INTERMEDIATE,
+            "shared_expert_intermediate_size": DENSE_INTERMEDIATE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            # One linear-attention (gated delta net) layer, one full-attention layer.
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+        moe_blocks=("Qwen3NextSparseMoeBlock",),
+        router={
+            "form": "softmax_topk",
+            "code": "Qwen3NextTopKRouter: "
+            + _SOFTMAX_TOPK.format(renorm=_renorm(True))
+            + "; "
+            + _SHARED_GATED,
+            "renormalised": True,
+            "shared_expert": "sigmoid-gated",
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, c.norm_topk_prob),
+        # torch.export specialises the sequence of the gated delta net's chunk loop: no dynamic
+        # export, so its float16 export is static.
+        static_fp16=True,
+    ),
+]
+
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def make_config(family: Family, impl: str | None) -> Any:
+    """The family's tiny config, experts implementation ``impl`` (None: the class default)."""
+    import transformers
+
+    cls = getattr(transformers, family.config_class)
+    kwargs = {**_COMMON, **family.config}
+    if impl is not None and family.dispatches_experts:
+        kwargs["experts_implementation"] = impl
+    return cls(**kwargs)

@@ -1,0 +1,142 @@
+"""The torch.onnx side of ``export_causal_lm.py``: one export call, and its opset-23 faults.
+
+``export`` runs ``torch.onnx.export(..., dynamo=True)`` for one variant (transformers'
+translation table for ``grouped_mm``), saves the model with its weights inside and drops
+torch.onnx's per-node provenance. Two of onnxscript's opset-23 fusions, which torch.onnx runs
+by default, can make a model ORT rejects; ``broken_fusion`` names the one that did, and
+``export(..., off=...)`` exports again with it turned off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import torch
+
+if TYPE_CHECKING:
+    from export_causal_lm import Variant
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+# onnxscript's opset-23 fusions that torch.onnx.export runs (``optimize=True``) and that can give
+# a model ORT rejects; each is turned off only for the export it broke (see ``run_variant``).
+#
+# - ``RotaryEmbedding23Fusion`` (``onnxscript/rewriter/rules/fusion/_rotary_embedding.py``) fuses
+#   transformers' rotate-half into ``RotaryEmbedding(x, cos, sin)`` with the cos/sin cache of
+#   ``position_ids`` ``[1, S]``, so the cache has batch 1; ONNX's RotaryEmbedding (without
+#   ``position_ids``) wants ``[B, S, D/2]`` and ORT rejects batch > 1.
+# - the RMSNormalization fusion (``_rms_normalization.py``) fuses the float16 RMSNorms that upcast
+#   their weight (gpt-oss: ``(weight.float() * norm(x.float())).half()``; Qwen3-Next:
+#   ``norm(x.float()) * (1 + weight.float())``) into ``RMSNormalization(x16, weight32)`` typed
+#   float16, where ONNX makes Y the scale's type: an invalid model ORT refuses to load.
+OPSET23_FUSIONS = {
+    "RotaryEmbedding": ("_rotary_embedding", "fuse_rotary_embedding"),
+    "RMSNormalization": ("_rms_normalization", "fuse_rms_normalization"),
+}
+
+
+@contextlib.contextmanager
+def fusions_off(names: tuple[str, ...]) -> Any:
+    """Turn off the named ``OPSET23_FUSIONS`` inside ``torch.onnx.export``; the rest runs."""
+    patched = []
+    for name in names:
+        module_name, func = OPSET23_FUSIONS[name]
+        module = importlib.import_module(f"onnxscript.rewriter.rules.fusion.{module_name}")
+        patched.append((module, func, getattr(module, func)))
+        setattr(module, func, lambda model, debug=False: 0)
+    try:
+        yield
+    finally:
+        for module, func, original in patched:
+            setattr(module, func, original)
+
+
+def broken_fusion(path: Path, exc: Exception) -> str | None:
+    """Which of ``OPSET23_FUSIONS`` made the export at ``path`` fail as ``exc``, if one did."""
+    if "RotaryEmbedding" in str(exc):
+        return "RotaryEmbedding"
+    try:
+        onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as invalid:
+        if "op_type:RMSNormalization" in str(invalid):
+            return "RMSNormalization"
+    return None
+
+
+def export(
+    variant: Variant,
+    module: torch.nn.Module,
+    ids: torch.Tensor,
+    path: Path,
+    off: tuple[str, ...] = (),
+) -> str:
+    """Export ``module`` to ``path``; returns the call, in words, for the record.
+
+    ``off``: onnxscript fusions turned off (:func:`fusions_off`).
+    """
+    table = None
+    if variant.family.dispatches_experts and variant.impl == "grouped_mm":
+        from transformers.exporters.exporter_onnx import _ONNX_TRANSLATION_TABLE
+
+        table = _ONNX_TRANSLATION_TABLE
+    dynamic_shapes = None
+    if variant.dynamic:
+        dynamic_shapes = {
+            "input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
+        }
+    noise = io.StringIO()  # torch.export prints whole graphs on some failures
+    with contextlib.redirect_stdout(noise), torch.no_grad(), fusions_off(off):
+        program = torch.onnx.export(
+            module,
+            (ids,),
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            opset_version=variant.opset,
+            custom_translation_table=table,
+            verbose=False,
+        )
+    program.save(str(path), external_data=False)
+    _strip_provenance(path)
+    call = f"torch.onnx.export(model, (input_ids,), dynamo=True, opset_version={variant.opset}"
+    if variant.dynamic:
+        call += ", dynamic_shapes={'input_ids': {0: Dim('batch'), 1: Dim('sequence')}}"
+    if table is not None:
+        call += (
+            ", custom_translation_table=transformers.exporters.exporter_onnx."
+            "_ONNX_TRANSLATION_TABLE"
+        )
+    call += ")"
+    if off:
+        call += f" with onnxscript's {' and '.join(off)} fusion off (export_causal_lm.fusions_off)"
+    return call
+
+
+def _strip_provenance(path: Path) -> None:
+    """Drop torch.onnx's per-node provenance (``metadata_props``), which means nothing to ONNX.
+
+    ``namespace``, ``pkg.torch.onnx.class_hierarchy`` / ``fx_node`` / ``stack_trace`` are over
+    half of a file this small; dropping them keeps the whole set small enough to commit.
+    """
+    model = onnx.load(str(path))
+    for graph in [model.graph, *model.functions]:
+        for node in graph.node:
+            del node.metadata_props[:]
+    onnx.save(model, str(path))
+
+
+def first_line(exc: BaseException) -> str:
+    """The exception's type and first line (its cause's, when torch.onnx wraps it)."""
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0][:400] if text else ''}"
