@@ -294,6 +294,29 @@ def _expert_ids(node: ir.Node) -> ir.Value | None:
     return node.outputs[index] if len(node.outputs) > index else None
 
 
+def _half_precision_near(topk: ir.Node, depth: int = 6) -> set[str]:
+    """Half-precision types among the values a few nodes downstream of a TopK.
+
+    A float16 export routes in float32 (the router softmax is upcast) and computes the experts
+    and the combine in float16: the weights meet the float16 expert outputs a few nodes on.
+    """
+    found: set[str] = set()
+    frontier, seen = [topk], {id(topk)}
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            for v in node.outputs:
+                if v.dtype in _HALF:
+                    found.add(_HALF[v.dtype])
+                for user, _ in v.uses():
+                    if id(user) not in seen:
+                        seen.add(id(user))
+                        found.update(_half_precision(user))
+                        nxt.append(user)
+        frontier = nxt
+    return found
+
+
 def _unrecognised_reason(topk: ir.Node) -> str | None:
     """Why a TopK / ArgMax whose ids select experts matched no rule (None: they select nothing).
 
@@ -318,6 +341,7 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
                 half.update(_half_precision(user))
     selects = uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements", "OneHot", "argsort"}
     half.update(_half_precision(topk))
+    half.update(_half_precision_near(topk))
     if selects and half:
         return (
             f"not fused: the layer computes in {'/'.join(sorted(half))}; this version fuses "
