@@ -55,8 +55,6 @@ ONE_HOT = "not recognised: the experts are chosen by a one-hot mask of this TopK
 #: Near misses today's fuser gives for the layers it does not handle yet (``None``: no near miss).
 NOT_YET: dict[str, str | None] = {
     "einsum_experts": NOT_RECOGNISED,
-    "output_major_transpose": "fc1: FC1 gate expert weights not constant: 'gate_kn' is computed "
-    "by Transpose 'gate_kn_Transpose', so they cannot be repacked into the fused layout",
     "qwen3_int4": NOT_RECOGNISED,
 }
 
