@@ -45,6 +45,7 @@ from onnx_moe_fuse.canonicalise import canonicalise
 from onnx_moe_fuse.rewrites import matmul_nbits_qkv as qkv
 from onnx_moe_fuse.rewrites._moe_analysis import PARTS
 from onnx_moe_fuse.rewrites._moe_rule import LAYER_OUT_KEY, TOPK_KEY
+from onnx_moe_fuse.rewrites.canonical.sorted_experts import sorted_refusal_for
 from onnx_moe_fuse.rewrites.moe_layer import (
     FUSED_OPS,
     REPLACED_KEY,
@@ -353,7 +354,11 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
     if router is not None:
         return router
     if "argsort" in uses:
-        return _SORTED_UNRECOGNISED
+        # the sorted-experts pass left this block: its proof says which link it could not show
+        detail = sorted_refusal_for(topk)
+        if detail is None:
+            return _SORTED_UNRECOGNISED
+        return f"{_SORTED_UNRECOGNISED}; the sorted-experts pass: {detail}"
     if "OneHot" in uses:
         return _ONE_HOT_UNRECOGNISED
     if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:

@@ -8,9 +8,11 @@ permutation) and sums the k slots of each token, in one of these spellings:
   ``inv = ScatterND(blank, Unsqueeze(perm, -1), Range(0, n, 1))`` (or ``ScatterElements``), or
   the direct ``ScatterND(blank, Unsqueeze(perm, -1), rows)``, ``blank`` shaped exactly like what
   is scattered into it (``Expand(c, Shape(_))`` or ``ConstantOfShape``), so every element is
-  overwritten;
+  overwritten; static exports fold ``blank`` into a constant of that shape and ``Range(0, n, 1)``
+  into the constant ``arange(n)``, which is checked value by value;
 * weighting before the un-sort (weights gathered by ``perm``) or after it (flat weights);
-* then ``Reshape(_, [-1, k, H])`` and ``ReduceSum(axes=[1], keepdims=0)``.
+* then ``Reshape(_, [-1, k, H])`` (static: ``[T, k, H]`` with ``T * k`` rows) and
+  ``ReduceSum(axes=[1], keepdims=0)``.
 
 :func:`combine` proves one of them for the ``perm`` of the block's argsort (an un-sort by another
 permutation is refused) and returns the layer output and the ``[T, k]`` routing weights. Only
@@ -19,12 +21,20 @@ reads the graph.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites._graph_facts import attr_int, attr_str, const_ints
 from onnx_moe_fuse.rewrites._graph_facts import node_axes as _axes
 
-from .sorted_values import SortedRefusal, const_shape, is_unsqueeze_last, producer_op, uses
+from .sorted_values import (
+    SortedRefusal,
+    const_shape,
+    is_unsqueeze_last,
+    producer_op,
+    small_const,
+    uses,
+)
 
 __all__ = ["combine"]
 
@@ -35,6 +45,10 @@ def _is_blank_like(data: ir.Value, like: ir.Value) -> bool:
     A scatter into it by a permutation of ``like``'s rows then overwrites every element, and
     the result has no rows beyond the scattered ones.
     """
+    if _static_dims(like) is not None and const_shape(data) == _static_dims(like):
+        # A static export folds the blank into a constant of exactly that shape (its values are
+        # all overwritten, so only the shape matters and the data is not read).
+        return True
     node = producer_op(data, "Expand", "ConstantOfShape")
     if node is None:
         return False
@@ -61,8 +75,35 @@ def _is_inverse_of(inv: ir.Value, perm: ir.Value) -> bool:
             return False
     elif node.inputs[1] is not perm or attr_int(node, "axis", 0) != 0:
         return False
-    rng = producer_op(node.inputs[2], "Range")
-    return rng is not None and const_ints(rng.inputs[0]) == [0] and const_ints(rng.inputs[2]) == [1]
+    return _is_arange(node.inputs[2], perm)
+
+
+def _static_dims(value: ir.Value) -> tuple[int, ...] | None:
+    """``value``'s shape when every dim is a known integer, else None."""
+    if value.shape is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return tuple(value.shape)
+
+
+def _is_arange(value: ir.Value, perm: ir.Value) -> bool:
+    """``value`` holds ``0, 1, ..., n-1``: ``Range(0, _, 1)``, or a constant of ``perm``'s length.
+
+    A static export folds ``Range(0, n, 1)`` into its values; they are read and compared with
+    ``arange(n)``, ``n`` the static length of ``perm``. (A Range's length is not proved: ScatterND
+    needs as many updates as indices, so on a model that runs it is ``perm``'s.)
+    """
+    rng = producer_op(value, "Range")
+    if rng is not None:
+        return const_ints(rng.inputs[0]) == [0] and const_ints(rng.inputs[2]) == [1]
+    dims = _static_dims(perm)
+    if dims is None or len(dims) != 1 or const_shape(value) != dims:
+        return False
+    arange = small_const(value, limit=dims[0])
+    return (
+        arange is not None
+        and arange.dtype.kind in "iu"
+        and np.array_equal(arange, np.arange(dims[0]))
+    )
 
 
 def _sole_user(value: ir.Value) -> ir.Node | None:
@@ -134,6 +175,20 @@ def _weighted(value: ir.Value, perm: ir.Value | None) -> tuple[ir.Value, ir.Valu
     return (mul.outputs[0], weights) if weights is not None else None
 
 
+def _is_slots_shape(shape: list[int] | None, perm: ir.Value, k: int, hidden: int) -> bool:
+    """``shape`` splits the ``n`` rows into ``[n // k, k, hidden]``: ``[-1, k, H]`` or static.
+
+    A static export writes ``[T, k, H]``; that is the same split when ``T * k`` is ``perm``'s
+    static length ``n`` (the number of rows).
+    """
+    if shape is None or len(shape) != 3 or shape[1:] != [k, hidden]:
+        return False
+    if shape[0] == -1:
+        return True
+    dims = _static_dims(perm)
+    return dims is not None and len(dims) == 1 and shape[0] * k == dims[0]
+
+
 def combine(fc2: ir.Value, perm: ir.Value, k: int, hidden: int) -> tuple[ir.Value, ir.Value]:
     """Prove un-sort + weighting + sum over k; returns ``(layer_out, weights [T, k])``."""
     weighted = _weighted(fc2, perm)
@@ -154,7 +209,7 @@ def combine(fc2: ir.Value, perm: ir.Value, k: int, hidden: int) -> tuple[ir.Valu
         )
     users = uses(rows)
     reshape = users[0] if len(users) == 1 and users[0].op_type == "Reshape" else None
-    if reshape is None or const_ints(reshape.inputs[1]) not in ([-1, k, hidden],):
+    if reshape is None or not _is_slots_shape(const_ints(reshape.inputs[1]), perm, k, hidden):
         raise SortedRefusal(
             f"the un-sorted rows {rows.name!r} are not reshaped to [-1, {k}, {hidden}]"
         )

@@ -21,7 +21,9 @@ already K-major are reused as they are. ``GroupedMatMul`` is opset 29: the defau
 import is raised to 29 when a block is rewritten (the working copy is never executed; the fuser
 lowers the opset again once the GroupedMatMul nodes are fused away).
 
-Blocks whose proof fails are left unchanged; :func:`sorted_experts_refusals` says why.
+Blocks whose proof fails are left unchanged; :func:`sorted_experts_refusals` says why, and
+:func:`sorted_refusal_for` gives the reason for the block of one routing TopK (the fuser's near
+miss for a grouped_mm layer that did not fuse).
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ from .sorted_proof import (
 from .sorted_rowwise import clone_rowwise
 from .spelling_common import FreshNames
 
-__all__ = ["CanonicalSortedExpertsPass", "sorted_experts_refusals", "GROUPED_MATMUL_OPSET"]
+__all__ = [
+    "CanonicalSortedExpertsPass",
+    "sorted_experts_refusals",
+    "sorted_refusal_for",
+    "GROUPED_MATMUL_OPSET",
+]
 
 #: The default-domain opset that introduces ``GroupedMatMul``.
 GROUPED_MATMUL_OPSET = 29
@@ -67,6 +74,38 @@ def sorted_experts_refusals(model: ir.Model) -> list[tuple[str, str]]:
         if isinstance(result, str):
             refusals.append((label(sort), result))
     return refusals
+
+
+def _sorts_ids_of(sort: ir.Node, topk: ir.Node) -> bool:
+    """``sort`` reads ``topk``'s ids (output 1) through shape-only nodes."""
+    value = sort.inputs[0]
+    for _ in range(8):
+        node = value.producer() if value is not None else None
+        if node is None:
+            return False
+        if node is topk:
+            return value.index() == 1
+        if node.op_type not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Identity"):
+            return False
+        value = node.inputs[0]
+    return False
+
+
+def sorted_refusal_for(topk: ir.Node) -> str | None:
+    """The pass's reason for leaving the block whose argsort sorts ``topk``'s ids, else None.
+
+    None when no argsort reads those ids, or when the block is proved (the pass rewrites it).
+    Re-runs the proof on the graph as it is; changes nothing.
+    """
+    graph = topk.graph
+    if graph is None:
+        return None
+    for sort in sort_candidates(graph):
+        if _sorts_ids_of(sort, topk):
+            result = _analyse(sort)
+            if isinstance(result, str):
+                return result
+    return None
 
 
 class _Builder:

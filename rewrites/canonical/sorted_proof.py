@@ -24,6 +24,7 @@ transformers' ``grouped_mm`` experts, exported, compute for ``N = T*k`` routed r
   ``e``-th slice of one stacked constant, for FC1 and FC2 alike, with the same segments;
 * the activation treats each row on its own (:mod:`.sorted_rowwise`), so it commutes with the
   permutation;
+* the tokens are float32 (the dtype the layer rules fuse; other blocks are refused, naming it);
 * the un-sort uses the inverse of the same ``perm``: a ``ScatterND(_, perm, arange)`` inverse, or
   ``ScatterND(_, perm, rows)``; the routing weights are gathered with the same ``perm``.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites._graph_facts import attr_int, const_ints, label
@@ -194,6 +196,13 @@ def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
     flat, ids, k, num_experts = _check_sort(sort)
     sorted_ids, perm = sort.outputs
     tokens, rows = _sorted_tokens(perm, k, ids)
+    if tokens.dtype != ir.DataType.FLOAT:
+        # The layer rules fuse float32 experts only; a half-precision block would be rewritten
+        # for nothing, and its refusal should say why it is left (the fuser reports it).
+        raise SortedRefusal(
+            f"the block computes in {_dtype_name(tokens.dtype)} ({tokens.name!r}); the layer "
+            "rules fuse float32 experts only"
+        )
     fc1_out, fc1, ranges1, offsets = projection(rows, num_experts, "FC1")
     check_offsets(offsets, (sorted_ids, flat), num_experts)
     segment_ranges = {id(v) for v in ranges1.values()}
@@ -224,6 +233,13 @@ def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
     return SortedBlock(
         sort, tokens, ids, weights, k, num_experts, fc1, fc2, region, layer_out, fc1_bias, fc2_bias
     )
+
+
+def _dtype_name(dtype: ir.DataType | None) -> str:
+    """``float16``, ``bfloat16``, ...: the numpy-style name of ``dtype``."""
+    if dtype is None:
+        return "an unknown dtype"
+    return {ir.DataType.BFLOAT16: "bfloat16"}.get(dtype, str(np.dtype(dtype.numpy())))
 
 
 def _bias_added(

@@ -6,16 +6,19 @@ GroupedMatMul decomposed into the Gather/MatMul form ORT runs), and ``fuse`` the
 matching the stored PyTorch output. Negative tests break one link of the proof in the sample
 (an un-sort by another permutation, bin edges, expert order, a non-row-wise activation) and
 check the block comes out byte-identical with a reason. The causal-LM exports in
-``sample_models/exported/causal_lm`` (whole models, several families) fuse every layer their
-metadata expects. A hypothesis property builds random hand-written blocks (sizes, activation,
-biases, weight layout, floor-divide, weighting and un-sort spellings) and checks the numbers.
+``sample_models/exported/causal_lm`` (whole models, several families, dynamic and static shapes)
+fuse every layer their metadata expects through ``fuse`` and match PyTorch; float16 exports fuse
+nothing and are refused naming the dtype. The static export's folded un-sort constants are
+broken one at a time (not ``arange``, a longer blank, slots of another token count) and stay
+refused. :func:`sorted_refusal_for` gives one routing TopK's reason. A hypothesis property builds
+random hand-written blocks (:mod:`sorted_models`: sizes, activation, biases, weight layout,
+floor-divide, weighting and un-sort spellings) and checks the numbers.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +28,13 @@ import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper, numpy_helper
+from sorted_models import BlockSpec, build_block
 
 import onnx_moe_fuse
 from onnx_moe_fuse.rewrites.canonical.sorted_experts import (
     CanonicalSortedExpertsPass,
     sorted_experts_refusals,
+    sorted_refusal_for,
 )
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_models" / "exported" / "mixtral_grouped_mm"
@@ -188,6 +192,19 @@ def test_sample_bin_edges_that_miscount_are_refused():
     _assert_refused(model, "histogram")
 
 
+def test_fuse_near_miss_says_which_link_of_the_sort_failed():
+    """Through the whole pipeline: the refused grouped_mm layer's near miss carries the proof."""
+    model = _sample()
+    edges = model.graph.initializers["val_63"]
+    edges.const_value = ir.tensor(edges.const_value.numpy() + np.float32(0.8), name="val_63")
+    proto = ir.serde.serialize_model(model)
+    result = onnx_moe_fuse.fuse(proto)
+    assert not result.report.fusions
+    assert result.model.SerializeToString() == proto.SerializeToString()
+    reasons = [m["reason"] for m in result.report.near_misses]
+    assert any("the sorted-experts pass: the histogram bins" in r for r in reasons), reasons
+
+
 def test_sample_swapped_expert_weights_are_refused():
     model = _sample()
     first, second = _node_by_output(model, "val_88"), _node_by_output(model, "val_94")
@@ -262,208 +279,166 @@ def test_models_without_the_block_are_left_byte_identical():
 
 
 WHOLE_MODELS = sorted(SAMPLE.parent.glob("causal_lm/*grouped_mm*.onnx"))
+STATIC = SAMPLE.parent / "causal_lm" / "mixtral_grouped_mm_static_op18.onnx"
+
+
+def _meta(path: Path) -> dict:
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def _float32_twin_fuses(path: Path) -> bool:
+    """The float32 export of the same family and opset expects MoE layers."""
+    twin = path.with_name(path.name.replace("_fp16", ""))
+    return bool(_meta(twin)["expected"])
 
 
 @pytest.mark.parametrize("path", WHOLE_MODELS, ids=[p.stem for p in WHOLE_MODELS])
 def test_whole_model_exports(path: Path):
     """Causal-LM exports (another helper writes them): what should fuse fuses, numbers kept.
 
-    Where the export's metadata expects MoE layers, every layer is canonicalised and fused and
-    the fused model matches PyTorch; where it expects none (routers MoE cannot express), the
-    working copy, run with GroupedMatMul decomposed, still matches PyTorch.
+    Where the export's metadata expects MoE layers, ``fuse`` (which canonicalises a working copy
+    itself) fuses every layer and the fused model matches PyTorch. A float16 export fuses
+    nothing, comes out computing exactly what it did, its near misses name the dtype, and so
+    does the pass's refusal (where the float32 twin fuses, i.e. the block is otherwise provable). Where a float32
+    export expects none (routers MoE cannot express), the pass's working copy, run with
+    GroupedMatMul decomposed, still matches PyTorch.
     """
-    meta = json.loads(path.with_suffix(".json").read_text())
+    meta = _meta(path)
     original = ir.load(str(path))
-    work, pss, modified = _canonical(original)
     ref = np.load(path.with_suffix(".npz"))
     feeds = {"input_ids": ref["input_ids"]}
     scale = np.abs(ref["logits"]).max()
     if meta["expected"]:
-        assert modified and pss.refusals == []
-        result = onnx_moe_fuse.fuse(work)
+        assert sorted_experts_refusals(original) == []
+        result = onnx_moe_fuse.fuse(original)
         fused = collections.Counter(f["op"] for f in result.report.fusions)
         assert sorted(fused.items()) == sorted((op, n) for op, n in meta["expected"])
+        assert not any(n.op_type == "GroupedMatMul" for n in result.ir_model.graph)
         (got,) = _run_ort(result.model, feeds)
+        np.testing.assert_allclose(got, ref["logits"], rtol=1e-4, atol=1e-4 * scale)
+    elif meta["dtype"] == "float16":
+        if _float32_twin_fuses(path):
+            refusals = sorted_experts_refusals(original)
+            assert len(refusals) == meta["config"]["num_hidden_layers"], refusals
+            assert all("float16" in reason for _, reason in refusals), refusals
+        result = onnx_moe_fuse.fuse(original)
+        assert result.report.fusions == []
+        routed = [m["reason"] for m in result.report.near_misses if m.get("topk")]
+        assert routed and all("float16" in reason for reason in routed), routed
+        (want,) = _run_ort(ir.serde.serialize_model(original), feeds)
+        (got,) = _run_ort(result.model, feeds)
+        np.testing.assert_array_equal(got, want)
     else:
+        work, _, _ = _canonical(original)
         (got,) = _run_ort(_decomposed(work, original.opset_imports[""]), feeds)
-    np.testing.assert_allclose(got, ref["logits"], rtol=1e-4, atol=1e-4 * scale)
+        np.testing.assert_allclose(got, ref["logits"], rtol=1e-4, atol=1e-4 * scale)
+
+
+def _routing_topk(model: ir.Model, sort: ir.Node) -> ir.Node:
+    return sort.inputs[0].producer().inputs[0].producer()
+
+
+def test_sorted_refusal_for_names_the_reason_of_that_layer_only():
+    model = _sample()
+    (sort,) = [n for n in model.graph if n.op_type == "TopK" and n.inputs[0].name == "view_3"]
+    router = _routing_topk(model, sort)
+    assert sorted_refusal_for(router) is None  # proved: the pass rewrites it
+    sort.attributes["largest"] = ir.AttrInt64("largest", 1)
+    before = _bytes(model)
+    reason = sorted_refusal_for(router)
+    assert reason is not None and "ascending" in reason
+    assert _bytes(model) == before
+    assert sorted_refusal_for(sort) is None  # the argsort itself routes nothing
+
+
+def test_sorted_refusal_for_a_float16_layer_names_the_dtype():
+    path = SAMPLE.parent / "causal_lm" / "mixtral_grouped_mm_dynamic_op23_fp16.onnx"
+    model = ir.load(str(path))
+    sorts = [n for n in model.graph if n in _sort_nodes(model)]
+    reasons = [sorted_refusal_for(_routing_topk(model, s)) for s in sorts]
+    assert len(reasons) == 2 and all("float16" in r for r in reasons), reasons
+
+
+def _sort_nodes(model: ir.Model) -> list[ir.Node]:
+    return [
+        n
+        for n in model.graph
+        if n.op_type == "TopK" and n.inputs[0].dtype is not None and n.inputs[0].dtype.is_integer()
+    ]
+
+
+# -- the static-shape export: folded un-sort constants -----------------------------------------
+
+
+def _static_block_refused(model: ir.Model, broken: ir.Node, *words: str) -> None:
+    """Layer 0's block (``broken`` in it) is refused with ``words``; layer 1 is still rewritten."""
+    work, pss, modified = _canonical(model)
+    assert modified and len(pss.refusals) == 1, pss.refusals
+    assert all(w in pss.refusals[0][1] for w in words), pss.refusals
+    assert broken.name in {n.name for n in work.graph}
+    assert _ops(work)["GroupedMatMul"] == 2
+
+
+def _first_unsort(model: ir.Model) -> ir.Node:
+    return next(n for n in model.graph if n.op_type == "ScatterND")
+
+
+def _replace_const(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) -> None:
+    """Point input ``index`` of ``node`` at a new initializer (the old tensor is not touched)."""
+    name = f"{node.inputs[index].name}_broken"
+    value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+    model.graph.register_initializer(value)
+    node.replace_input_with(index, value)
+
+
+def test_static_export_folded_unsort_is_proved_for_both_layers():
+    model = ir.load(str(STATIC))
+    scatter = _first_unsort(model)
+    # The static export folds empty_like and arange into constants (no Expand, no Range).
+    assert scatter.inputs[0].const_value is not None and scatter.inputs[2].const_value is not None
+    work, pss, modified = _canonical(model)
+    assert modified and pss.refusals == []
+    ops = _ops(work)
+    assert ops["GroupedMatMul"] == 4 and ops["ScatterND"] == 0
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda a: a[::-1].copy(),  # a permutation, but not the identity
+        lambda a: np.where(a == 5, 6, a),  # 6 twice, 5 never
+        lambda a: a + 1,  # shifted
+    ],
+    ids=["reversed", "repeated", "shifted"],
+)
+def test_static_export_unsort_by_a_constant_that_is_not_arange_is_refused(corrupt):
+    model = ir.load(str(STATIC))
+    scatter = _first_unsort(model)
+    _replace_const(model, scatter, 2, corrupt(scatter.inputs[2].const_value.numpy()))
+    _static_block_refused(model, scatter, "un-sort")
+
+
+def test_static_export_unsort_into_a_longer_blank_is_refused():
+    model = ir.load(str(STATIC))
+    scatter = _first_unsort(model)
+    blank = scatter.inputs[0].const_value.numpy()
+    _replace_const(model, scatter, 0, np.concatenate([blank, blank[:1]]))
+    _static_block_refused(model, scatter, "un-sort")
+
+
+def test_static_export_slots_of_another_token_count_are_refused():
+    model = ir.load(str(STATIC))
+    scatter = _first_unsort(model)
+    gather = next(u.node for u in scatter.outputs[0].uses()).outputs[0].uses()[0].node
+    reshape = gather.outputs[0].uses()[0].node
+    assert reshape.op_type == "Reshape"
+    tokens, k, hidden = reshape.inputs[1].const_value.numpy().tolist()
+    # [T/2, k, H]: the right k and H, but T * k is not the number of rows.
+    _replace_const(model, reshape, 1, np.array([tokens // 2, k, hidden], dtype=np.int64))
+    _static_block_refused(model, reshape, "reshaped")
 
 
 # -- hand-written blocks -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """One hand-written grouped_mm block; every random tensor comes from ``seed``."""
-
-    experts: int = 4
-    k: int = 2
-    hidden: int = 8
-    inner: int = 6
-    activation: str = "swiglu"  # swiglu (Split of FC1), relu, gelu_tanh, bias_relu
-    transposed: bool = False  # stacked weights [E, N, K], each used through Transpose
-    floor_div: str = "torch"  # torch's Div/Mod/And spelling, or a plain integer Div
-    unsort: str = "gathernd"  # gathernd / gather (ScatterElements inverse) / scatter_rows
-    weight_first: bool = True  # routing weights applied before the un-sort
-    bias: bool = False  # per-expert biases, added as Gather(bias, sorted ids)
-    seed: int = 0
-
-
-class _Graph:
-    """Nodes and initializers of a hand-written graph, with generated value names."""
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.count = 0
-
-    def const(self, array) -> str:
-        self.count += 1
-        name = f"c{self.count}"
-        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], outputs: int = 1, **attrs) -> list[str]:
-        self.count += 1
-        names = [f"{op_type.lower()}{self.count}_{i}" for i in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, names, **attrs))
-        return names
-
-    def one(self, op_type: str, inputs: list[str], **attrs) -> str:
-        return self.op(op_type, inputs, **attrs)[0]
-
-
-def _unsqueeze_last(g: _Graph, v: str) -> str:
-    return g.one("Unsqueeze", [v, g.const(np.array([-1]))])
-
-
-def build_block(spec: BlockSpec) -> onnx.ModelProto:
-    """``y = x + moe(x)`` with the experts in the grouped_mm (sorted rows) form."""
-    rng = np.random.default_rng(spec.seed)
-    e, k, h, i = spec.experts, spec.k, spec.hidden, spec.inner
-    n1 = 2 * i if spec.activation == "swiglu" else i
-    g = _Graph()
-    logits = g.one("MatMul", ["x", g.const(rng.standard_normal((h, e), dtype=np.float32))])
-    probs = g.one("Softmax", [logits], axis=-1)
-    vals, ids = g.op("TopK", [probs, g.const(np.array([k]))], 2, axis=-1)
-    weights = g.one("Div", [vals, g.one("ReduceSum", [vals, g.const(np.array([-1]))])])
-    flat = g.one("Reshape", [ids, g.const(np.array([-1]))])
-    n = g.one(
-        "Reshape",
-        [g.one("Gather", [g.one("Shape", [flat]), g.const(np.array(-1))]), g.const(np.array([1]))],
-    )
-    sorted_ids, perm = g.op("TopK", [flat, n], 2, axis=-1, largest=0, sorted=1)
-    kc = g.const(np.array(k))
-    quotient = g.one("Div", [perm, kc])
-    if spec.floor_div == "torch":
-        negative = g.one(
-            "Equal", [g.one("Less", [perm, g.const(np.array(0))]), g.const(np.array(True))]
-        )
-        inexact = g.one("Cast", [g.one("Mod", [perm, kc], fmod=0)], to=TensorProto.BOOL)
-        fix = g.one("Cast", [g.one("And", [negative, inexact])], to=TensorProto.INT64)
-        quotient = g.one("Sub", [quotient, fix])
-    rows = g.one("GatherND", ["x", _unsqueeze_last(g, quotient)])
-    # torch.histc(ids, bins=E, min=0, max=E-1) as the exporter writes it.
-    f = g.one("Cast", [sorted_ids], to=TensorProto.FLOAT)
-    ok = g.one(
-        "And",
-        [
-            g.one("GreaterOrEqual", [f, g.const(np.float32(0))]),
-            g.one("LessOrEqual", [f, g.const(np.float32(e - 1))]),
-        ],
-    )
-    ok = g.one("And", [ok, g.one("Not", [g.one("IsNaN", [f])])])
-    v = g.one("Where", [ok, f, g.const(np.float32(-1))])
-    edges = np.linspace(0, e - 1, e + 1, dtype=np.float32)
-    edges[-1] = np.nextafter(edges[-1], np.float32(np.inf))
-    below = g.one(
-        "Less", [g.one("Unsqueeze", [v, g.const(np.array([0]))]), g.const(edges[:, None])]
-    )
-    cnt = g.one(
-        "ReduceSum",
-        [g.one("Cast", [below], to=TensorProto.FLOAT), g.const(np.array([1]))],
-        keepdims=0,
-    )
-    hi = g.one(
-        "Slice", [cnt, g.const(np.array([1])), g.const(np.array([e + 1])), g.const(np.array([0]))]
-    )
-    lo = g.one(
-        "Slice", [cnt, g.const(np.array([0])), g.const(np.array([-1])), g.const(np.array([0]))]
-    )
-    counts = g.one("Cast", [g.one("Sub", [hi, lo])], to=TensorProto.INT32)
-    ends = g.one("Cast", [g.one("CumSum", [counts, g.const(np.array(0))])], to=TensorProto.INT64)
-    zero, one, axis0 = g.const(np.array(0)), g.const(np.array(1)), g.const(np.array([0]))
-    scalars = [
-        g.one("Squeeze", [p, axis0]) for p in g.op("Split", [ends], e, axis=0, num_outputs=e)
-    ]
-    segments = [
-        g.one("Range", [zero if j == 0 else scalars[j - 1], scalars[j], one]) for j in range(e)
-    ]
-
-    def grouped(lhs: str, stack: np.ndarray) -> str:
-        n_out = stack.shape[2]
-        if spec.transposed:
-            stack = np.ascontiguousarray(stack.transpose(0, 2, 1))
-        parts = g.op("Split", [g.const(stack)], e, axis=0, num_outputs=e)
-        outs = []
-        for j, part in enumerate(parts):
-            w = g.one("Squeeze", [part, axis0])
-            if spec.transposed:
-                w = g.one("Transpose", [w], perm=[1, 0])
-            outs.append(g.one("MatMul", [g.one("Gather", [lhs, segments[j]], axis=0), w]))
-        out = g.one("Concat", outs, axis=0)
-        if spec.bias:
-            bias = rng.standard_normal((e, n_out), dtype=np.float32)
-            out = g.one("Add", [out, g.one("Gather", [g.const(bias), sorted_ids], axis=0)])
-        return out
-
-    fc1 = grouped(rows, rng.standard_normal((e, h, n1), dtype=np.float32) * 0.5)
-    if spec.activation == "swiglu":
-        gate, up = g.op("Split", [fc1], 2, axis=1, num_outputs=2)
-        act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
-    elif spec.activation == "gelu_tanh":
-        act = g.one("Gelu", [fc1], approximate="tanh")
-    elif spec.activation == "bias_relu":
-        act = g.one(
-            "Relu", [g.one("Add", [fc1, g.const(rng.standard_normal((1, n1), dtype=np.float32))])]
-        )
-    else:
-        act = g.one("Relu", [fc1])
-    out = grouped(act, rng.standard_normal((e, i, h), dtype=np.float32) * 0.5)
-
-    flat_w = g.one("Reshape", [weights, g.const(np.array([-1]))])
-    if spec.weight_first:
-        sorted_w = g.one("GatherND", [flat_w, _unsqueeze_last(g, perm)])
-        out = g.one("Mul", [out, g.one("Unsqueeze", [sorted_w, g.const(np.array([-1]))])])
-    if spec.unsort == "scatter_rows":
-        blank = g.one("Expand", [g.const(np.float32(0)), g.one("Shape", [out])])
-        out = g.one("ScatterND", [blank, _unsqueeze_last(g, perm), out])
-    else:
-        count = g.one("Squeeze", [g.one("Shape", [perm]), axis0])
-        arange = g.one("Range", [zero, count, one])
-        blank = g.one("Expand", [zero, g.one("Shape", [perm])])
-        if spec.unsort == "gather":
-            inverse = g.one("ScatterElements", [blank, perm, arange], axis=0)
-            out = g.one("Gather", [out, inverse], axis=0)
-        else:
-            inverse = g.one("ScatterND", [blank, _unsqueeze_last(g, perm), arange])
-            out = g.one("GatherND", [out, _unsqueeze_last(g, inverse)])
-    if not spec.weight_first:
-        out = g.one("Mul", [out, g.one("Unsqueeze", [flat_w, g.const(np.array([-1]))])])
-    slots = g.one("Reshape", [out, g.const(np.array([-1, k, h]))])
-    g.nodes.append(
-        helper.make_node("ReduceSum", [slots, g.const(np.array([1]))], ["moe_out"], keepdims=0)
-    )
-    g.nodes.append(helper.make_node("Add", ["x", "moe_out"], ["y"]))
-    graph = helper.make_graph(
-        g.nodes,
-        "sorted_block",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", h])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", h])],
-        g.inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
 
 
 SPECS = st.integers(2, 6).flatmap(
