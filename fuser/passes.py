@@ -256,10 +256,11 @@ _SORTED_UNRECOGNISED = (
     "as it is"
 )
 _ONE_HOT_UNRECOGNISED = (
-    "not recognised: the experts are chosen by a one-hot mask of this TopK's indices, a loop "
-    "over the experts (such as a traced eager loop with NonZero per expert); no rule takes that "
-    "spelling, and a trace of a data-dependent loop may hold only the experts its example input "
-    "hit, so the layer is left as it is"
+    "not recognised: the experts are chosen by a one-hot mask of this TopK's indices (a dense "
+    "all-experts form, or a loop over the experts such as a traced eager loop with NonZero per "
+    "expert), and the dense-experts canonicalisation could not prove it equal to the selected "
+    "experts (a trace of a data-dependent loop may hold only the experts its example input hit), "
+    "so the layer is left as it is"
 )
 
 
@@ -340,7 +341,15 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
             else:
                 uses.add(user.op_type)
                 half.update(_half_precision(user))
-    selects = uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements", "OneHot", "argsort"}
+    selects = uses & {
+        "Gather",
+        "GroupedMatMul",
+        "GatherND",
+        "GatherElements",
+        "OneHot",
+        "Equal",
+        "argsort",
+    }
     half.update(_half_precision(topk))
     half.update(_half_precision_near(topk))
     if selects and half:
@@ -359,7 +368,7 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
         if detail is None:
             return _SORTED_UNRECOGNISED
         return f"{_SORTED_UNRECOGNISED}; the sorted-experts pass: {detail}"
-    if "OneHot" in uses:
+    if uses & {"OneHot", "Equal"}:
         return _ONE_HOT_UNRECOGNISED
     if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:
         return _GENERIC_UNRECOGNISED

@@ -908,6 +908,15 @@ def _granularity(
     )
     if per_channel and (bits == 8 or not valid):
         return bits, 0
+    if valid and bits == 8:
+        # measured (shared/notes/semantics.md): ORT CPU's block-wise 8-bit QMoE quantises the
+        # activations to int8 per block, 6e-3 to 2e-2 off the layer it replaces
+        raise refuse(
+            f"8-bit weights in blocks of {common} along K ({text}): ONNX Runtime's block-wise "
+            "8-bit QMoE quantises the activations too, so the fused node would not compute the "
+            "same (per-channel 8-bit and every 4-bit form are exact)",
+            fc2.value,
+        )
     if valid:
         return bits, common
     if common:

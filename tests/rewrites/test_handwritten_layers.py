@@ -53,10 +53,7 @@ NOT_RECOGNISED = (
 ONE_HOT = "not recognised: the experts are chosen by a one-hot mask of this TopK's indices"
 
 #: Near misses today's fuser gives for the layers it does not handle yet (``None``: no near miss).
-NOT_YET: dict[str, str | None] = {
-    "einsum_experts": NOT_RECOGNISED,
-    "qwen3_int4": NOT_RECOGNISED,
-}
+NOT_YET: dict[str, str | None] = {}
 
 
 class NotYet(Exception):

@@ -1,0 +1,181 @@
+"""The experts and combine parts of a generated MoE layer (split out of ``build.py``).
+
+Three layouts: per slot (``[*, k, N]`` projections from gathered expert weights, the tokens
+broadcast to the k slots), flattened rows (torch ``batched_mm`` exports: ``T*k`` rows,
+``GatherND`` by the flat ids), and dense (every expert on every token, the combine masked by
+the routing). Each combine spelling is written for each layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .build import _Layer
+
+PER_SLOT = ("gather_expand", "gather_reshape", "transpose_weights", "einsum")
+
+
+def experts_and_combine(layer: _Layer, tokens: str, rank: int, weights: str, idx: str) -> str:
+    """Write FC1, the activation, FC2 and the combine; returns the layer output."""
+    c, g = layer.case, layer.g
+    fc2_logical = layer.normal((c.experts_count, c.inter, c.hidden), 1.0 / np.sqrt(c.inter))
+    fc1 = layer.fc1_weights()
+    idx2 = idx
+    if layer.mutation == "fc2_other_indices":
+        shifted = g.node("Add", [idx, g.i64(1)], "ids_shifted")
+        idx2 = g.node("Mod", [shifted, g.i64(c.experts_count)], "fc2_ids")
+    if c.experts in PER_SLOT:
+        return _per_slot(layer, tokens, rank, weights, idx, idx2, fc1, fc2_logical)
+    if c.experts == "rows_gathernd":
+        return _rows(layer, tokens, weights, idx, idx2, fc1, fc2_logical)
+    return _dense(layer, tokens, weights, idx, fc1, fc2_logical)
+
+
+def _fc1_outputs(layer: _Layer, fc1, project) -> str | tuple[str, str]:
+    outs = []
+    for key, w in fc1:
+        outs.append(project(layer.weights_kn(f"{key}_weight", w, True), w.shape[2], key))
+    return (outs[0], outs[1]) if len(outs) == 2 else outs[0]
+
+
+# -- per slot ------------------------------------------------------------------------------
+
+
+def _per_slot(layer: _Layer, tokens, rank, weights, idx, idx2, fc1, fc2_logical) -> str:
+    c, g = layer.case, layer.g
+    a = rank - 1  # the number of token axes
+    ax = "t" if a == 1 else "bs"
+    k = c.top_k
+
+    def drop(mm: str, n: int, tag: str) -> str:
+        if c.experts == "gather_reshape":
+            return g.node("Reshape", [mm, g.i64(*([0] * (a + 1)), n)], f"{tag}_out")
+        return g.node("Squeeze", [mm, g.i64(a + 1)], f"{tag}_out")
+
+    def project_tokens(w: str, n: int, tag: str) -> str:
+        sel = g.node("Gather", [w, idx], f"{tag}_selected", axis=0)  # [*, k, H, n]
+        if c.experts == "einsum":
+            return g.node("Einsum", [tokens, sel], f"{tag}_out", equation=f"{ax}h,{ax}khn->{ax}kn")
+        lhs = g.node("Unsqueeze", [tokens, g.i64(a, a + 1)], f"{tag}_tokens")  # [*, 1, 1, H]
+        lhs = g.node("Expand", [lhs, g.i64(*([1] * a), k, 1, 1)], f"{tag}_lhs")  # [*, k, 1, H]
+        return drop(g.node("MatMul", [lhs, sel], f"{tag}_matmul"), n, tag)
+
+    act = layer.activation(_fc1_outputs(layer, fc1, project_tokens))
+    w2 = layer.weights_kn("fc2_weight", fc2_logical, False)
+    sel2 = g.node("Gather", [w2, idx2], "fc2_selected", axis=0)  # [*, k, I, H]
+    if c.experts == "einsum":
+        y = g.node("Einsum", [act, sel2], "fc2_out", equation=f"{ax}ki,{ax}kih->{ax}kh")
+    else:
+        lhs = g.node("Unsqueeze", [act, g.i64(a + 1)], "fc2_lhs")  # [*, k, 1, I]
+        y = drop(g.node("MatMul", [lhs, sel2], "fc2_matmul"), c.hidden, "fc2")
+    return _combine_slots(layer, y, weights, a)
+
+
+def _combine_slots(layer: _Layer, y: str, weights: str, a: int) -> str:
+    """Combine per-slot outputs ``[*, k, H]`` with the weights ``[*, k]``."""
+    c, g = layer.case, layer.g
+    ax = "t" if a == 1 else "bs"
+    if c.combine == "mul_reducesum":
+        w3 = g.node("Unsqueeze", [weights, g.i64(-1)], "weights_3d")
+        weighted = g.node("Mul", [y, w3], "weighted")
+        return g.node("ReduceSum", [weighted, g.i64(a)], "moe_out", keepdims=0)
+    if c.combine == "matmul_row":
+        row = g.node("Unsqueeze", [weights, g.i64(a)], "weights_row")  # [*, 1, k]
+        return g.node("Squeeze", [g.node("MatMul", [row, y], "combined"), g.i64(a)], "moe_out")
+    return g.node("Einsum", [weights, y], "moe_out", equation=f"{ax}k,{ax}kh->{ax}h")
+
+
+# -- flattened rows (torch batched_mm) ------------------------------------------------------
+
+
+def _rows(layer: _Layer, tokens, weights, idx, idx2, fc1, fc2_logical) -> str:
+    c, g = layer.case, layer.g
+    k, h = c.top_k, c.hidden
+
+    def flat_ids(ids: str, tag: str) -> str:
+        return g.node(
+            "Unsqueeze", [g.node("Reshape", [ids, g.i64(-1)], f"{tag}_flat"), g.i64(-1)], tag
+        )
+
+    ids = flat_ids(idx, "row_ids")  # [T*k, 1]
+    ids2 = ids if idx2 == idx else flat_ids(idx2, "fc2_row_ids")
+    rep = g.node(
+        "Expand",
+        [g.node("Unsqueeze", [tokens, g.i64(1)], "tokens_3d"), g.i64(1, k, 1)],
+        "tokens_rep",
+    )
+    rows = g.node("Reshape", [rep, g.i64(-1, h)], "rows")  # [T*k, H]
+
+    def project(x: str, w: str, sel_ids: str, tag: str) -> str:
+        sel = g.node("GatherND", [w, sel_ids], f"{tag}_selected")  # [T*k, K, N]
+        mm = g.node(
+            "MatMul", [g.node("Unsqueeze", [x, g.i64(1)], f"{tag}_row"), sel], f"{tag}_matmul"
+        )
+        return g.node("Squeeze", [mm, g.i64(1)], f"{tag}_out")  # [T*k, N]
+
+    act = layer.activation(_fc1_outputs(layer, fc1, lambda w, n, tag: project(rows, w, ids, tag)))
+    y = project(act, layer.weights_kn("fc2_weight", fc2_logical, False), ids2, "fc2")
+    if c.combine == "mul_reducesum":
+        w_rows = g.node(
+            "Unsqueeze",
+            [g.node("Reshape", [weights, g.i64(-1)], "weights_flat"), g.i64(-1)],
+            "weights_rows",
+        )
+        weighted = g.node(
+            "Reshape", [g.node("Mul", [y, w_rows], "weighted_rows"), g.i64(-1, k, h)], "weighted"
+        )
+        return g.node("ReduceSum", [weighted, g.i64(1)], "moe_out", keepdims=0)
+    slots = g.node("Reshape", [y, g.i64(-1, k, h)], "fc2_slots")
+    return _combine_slots(layer, slots, weights, 1)
+
+
+# -- dense: every expert on every token ----------------------------------------------------
+
+
+def _dense(layer: _Layer, tokens, weights, idx, fc1, fc2_logical) -> str:
+    c, g = layer.case, layer.g
+    e = c.experts_count
+
+    def project(w: str, n: int, tag: str) -> str:
+        return g.node("MatMul", [tokens, w], f"{tag}_out")  # [T, H] @ [E, H, n] -> [E, T, n]
+
+    act = layer.activation(_fc1_outputs(layer, fc1, project))
+    w2 = layer.weights_kn("fc2_weight", fc2_logical, False)
+    y = g.node("MatMul", [act, w2], "fc2_out")  # [E, T, H]
+    if c.experts == "dense_onehot":
+        values = g.init("onehot_values", np.array([0.0, 1.0], dtype=np.float32))
+        mask = g.node("OneHot", [idx, g.i64(e), values], "expert_mask", axis=-1)  # [T, k, E]
+    else:
+        hit = g.node(
+            "Equal",
+            [
+                g.node("Unsqueeze", [idx, g.i64(-1)], "ids_3d"),
+                g.init("expert_range", np.arange(e, dtype=np.int64)),
+            ],
+            "expert_hit",
+        )
+        mask = g.node("Cast", [hit], "expert_mask", to=1)
+    w3 = g.node("Unsqueeze", [weights, g.i64(-1)], "weights_3d")
+    dense = g.node(
+        "ReduceSum", [g.node("Mul", [mask, w3], "masked"), g.i64(1)], "dense_weights", keepdims=0
+    )
+    if c.combine == "mul_reducesum":
+        per_expert = g.node(
+            "Unsqueeze",
+            [g.node("Transpose", [dense], "dense_et", perm=[1, 0]), g.i64(-1)],
+            "dense_et1",
+        )
+        return g.node(
+            "ReduceSum",
+            [g.node("Mul", [y, per_expert], "weighted"), g.i64(0)],
+            "moe_out",
+            keepdims=0,
+        )
+    if c.combine == "matmul_row":
+        row = g.node("Unsqueeze", [dense, g.i64(1)], "dense_row")  # [T, 1, E]
+        y_t = g.node("Transpose", [y], "fc2_by_token", perm=[1, 0, 2])  # [T, E, H]
+        return g.node("Squeeze", [g.node("MatMul", [row, y_t], "combined"), g.i64(1)], "moe_out")
+    return g.node("Einsum", [dense, y], "moe_out", equation="te,eth->th")
