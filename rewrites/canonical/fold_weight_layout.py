@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical import weight_dq_push as dq
 from onnx_moe_fuse.rewrites.canonical import weight_layout_ops as ops
+from onnx_moe_fuse.rewrites.canonical.fresh_names import FreshNames
 
 __all__ = ["FoldWeightLayoutPass"]
 
@@ -60,29 +61,6 @@ def _graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
             elif attr.type == ir.AttributeType.GRAPHS:
                 for sub in attr.as_graphs():
                     yield from _graphs(sub)
-
-
-class _Names:
-    """Fresh value and node names that collide with none in the model."""
-
-    def __init__(self, model: ir.Model) -> None:
-        self._taken: set[str] = set()
-        for graph in _graphs(model.graph):
-            self._taken.update(v.name for v in graph.inputs if v.name)
-            self._taken.update(graph.initializers)
-            for node in graph:
-                if node.name:
-                    self._taken.add(node.name)
-                self._taken.update(v.name for v in node.outputs if v.name)
-
-    def fresh(self, base: str) -> str:
-        """``base``, or ``base_<n>`` for the first n that is free; the name is then taken."""
-        name, n = base, 0
-        while name in self._taken:
-            n += 1
-            name = f"{base}_{n}"
-        self._taken.add(name)
-        return name
 
 
 def _drop_if_dead(value: ir.Value | None) -> None:
@@ -123,7 +101,7 @@ class FoldWeightLayoutPass(ir.passes.InPlacePass):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
-        self._names: _Names | None = None
+        self._names: FreshNames | None = None
         self._opset = 1
         # id(tensor) -> (tensor, compute) for the lazy tensors this run made (the tensor is
         # kept so that its id stays its own while the run lasts).
@@ -136,7 +114,7 @@ class FoldWeightLayoutPass(ir.passes.InPlacePass):
         cannot hold initializers).
         """
         self.counts = Counter()
-        self._names = _Names(model)
+        self._names = FreshNames(model, "layout", base_when_free=True)
         self._opset = model.opset_imports.get("", 1)
         self._computations = {}
         # Graph order is topological, so a chain (Transpose of Reshape of W) folds in one sweep:

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from .._graph_facts import attr_int, const_ints, normalize_axes, static_last_dim, static_rank
-from .slots_unsqueeze import _ints_constant, _is_onnx, _Names
+from .fresh_names import FreshNames
+from .slots_unsqueeze import _ints_constant, _is_onnx
 
 __all__ = ["rewrite_repeated_rows"]
 
@@ -212,7 +213,7 @@ def _find(flat: ir.Node) -> _RowsLayer | None:
 
 
 def _per_slot(
-    names: _Names, lhs: ir.Value, weight: ir.Value, ids: ir.Value, base: str
+    names: FreshNames, lhs: ir.Value, weight: ir.Value, ids: ir.Value, base: str
 ) -> list[ir.Node]:
     """``Squeeze(MatMul(lhs [T, k, 1, K], Gather(weight, ids) [T, k, K, N]), [2])`` nodes."""
     gather = ir.node("Gather", [weight, ids], attributes={"axis": 0}, name=names.fresh(base))
@@ -224,7 +225,7 @@ def _per_slot(
     return [gather, mm, axes, squeeze]
 
 
-def _take_over(old: ir.Value, new: ir.Value, names: _Names) -> None:
+def _take_over(old: ir.Value, new: ir.Value, names: FreshNames) -> None:
     name = old.name
     old.name = names.fresh(name or "rows")
     new.name = name
@@ -232,7 +233,7 @@ def _take_over(old: ir.Value, new: ir.Value, names: _Names) -> None:
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
 
 
-def _rewrite(graph: ir.Graph, layer: _RowsLayer, names: _Names) -> None:
+def _rewrite(graph: ir.Graph, layer: _RowsLayer, names: FreshNames) -> None:
     base = layer.tokens.name or "tokens"
     axes = _ints_constant(names, base, [1, 2])
     unsq = ir.node("Unsqueeze", [layer.tokens, axes.outputs[0]], name=names.fresh(base))
@@ -283,7 +284,7 @@ def _remove_rows_chain(graph: ir.Graph, node: ir.Node | None) -> None:
 
 def rewrite_repeated_rows(graph: ir.Graph) -> bool:
     """Rewrite every proven repeated-rows layer of ``graph`` into the per-slot form."""
-    names = _Names(graph)
+    names = FreshNames(graph, "slots")
     modified = False
     for node in list(graph):
         if node.graph is not graph:

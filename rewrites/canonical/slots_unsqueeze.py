@@ -30,6 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._graph_facts import const_ints, normalize_axes, static_rank
+from .fresh_names import FreshNames
 
 __all__ = ["merged_unsqueeze_axes", "swapped_expand", "rewrite_unsqueeze_chains"]
 
@@ -87,28 +88,7 @@ def _input_axes(node: ir.Node) -> list[int] | None:
     return const_ints(node.inputs[1])
 
 
-class _Names:
-    """Fresh value and node names that collide with none in the graph."""
-
-    def __init__(self, graph: ir.Graph) -> None:
-        self._taken: set[str] = {v.name for v in graph.inputs if v.name}
-        self._taken |= set(graph.initializers)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            if node.name:
-                self._taken.add(node.name)
-            self._taken |= {v.name for v in node.outputs if v.name}
-        self._count = 0
-
-    def fresh(self, base: str) -> str:
-        while True:
-            self._count += 1
-            name = f"{base}__slots{self._count}"
-            if name not in self._taken:
-                self._taken.add(name)
-                return name
-
-
-def _ints_constant(names: _Names, base: str, values: list[int]) -> ir.Node:
+def _ints_constant(names: FreshNames, base: str, values: list[int]) -> ir.Node:
     tensor = ir.tensor(np.asarray(values, dtype=np.int64), name=names.fresh(base))
     node = ir.node("Constant", [], attributes={"value": tensor}, name=names.fresh(base))
     node.outputs[0].name = tensor.name
@@ -118,7 +98,7 @@ def _ints_constant(names: _Names, base: str, values: list[int]) -> ir.Node:
     return node
 
 
-def _replace(graph: ir.Graph, old: ir.Node, new_nodes: list[ir.Node], names: _Names) -> None:
+def _replace(graph: ir.Graph, old: ir.Node, new_nodes: list[ir.Node], names: FreshNames) -> None:
     """Put ``new_nodes`` (the last one's output replacing ``old``'s) before ``old``; drop dead."""
     old_out, new_out = old.outputs[0], new_nodes[-1].outputs[0]
     sources = [v.producer() for v in old.inputs if v is not None]
@@ -145,7 +125,7 @@ def _remove_if_dead(graph: ir.Graph, node: ir.Node | None) -> None:
             _remove_if_dead(graph, producer)
 
 
-def _rewrite_one(graph: ir.Graph, node: ir.Node, names: _Names) -> bool:
+def _rewrite_one(graph: ir.Graph, node: ir.Node, names: FreshNames) -> bool:
     axes = _input_axes(node)
     source = node.inputs[0]
     producer = source.producer() if source is not None else None
@@ -190,7 +170,7 @@ def _rewrite_one(graph: ir.Graph, node: ir.Node, names: _Names) -> bool:
 
 def rewrite_unsqueeze_chains(graph: ir.Graph) -> bool:
     """Apply swap and merge to every Unsqueeze of ``graph`` (not subgraphs) to a fixpoint."""
-    names = _Names(graph)
+    names = FreshNames(graph, "slots")
     modified = False
     for _ in range(_MAX_SWEEPS):
         changed = False

@@ -18,6 +18,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from .fresh_names import FreshNames
+
 __all__ = [
     "FLOAT_TYPES",
     "FreshNames",
@@ -43,39 +45,6 @@ FLOAT_TYPES = frozenset(
 )
 #: Small integer vectors (axes, repeats, shapes) are read only up to this many elements.
 _SMALL = 64
-
-
-class FreshNames:
-    """Value names that collide with none in the model, nor with each other."""
-
-    def __init__(self, model: ir.Model) -> None:
-        """Collect every value name of the model: graphs, subgraphs, functions."""
-        taken: set[str] = set()
-        graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
-        for graph in graphs:
-            for value in [*graph.inputs, *graph.outputs]:
-                taken.add(value.name or "")
-            if isinstance(graph, ir.Graph):
-                taken.update(graph.initializers)
-            for node in ir.traversal.RecursiveGraphIterator(graph):
-                for value in [*node.inputs, *node.outputs]:
-                    if value is not None and value.name:
-                        taken.add(value.name)
-        self._taken = taken
-        self._counter = 0
-        #: The names handed out, i.e. the values this pass created.
-        self.created: set[str] = set()
-
-    def __call__(self, base: str | None) -> str:
-        """A new name built from ``base`` (the value the new one derives from)."""
-        stem = f"{base or 'v'}__canon"
-        while True:
-            self._counter += 1
-            name = f"{stem}{self._counter}"
-            if name not in self._taken:
-                self._taken.add(name)
-                self.created.add(name)
-                return name
 
 
 class SpellingRule(pattern.RewriteRuleClassBase):
