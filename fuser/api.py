@@ -10,8 +10,12 @@
     result.report.fusions[0]["op"]                 # "QMoE"
     result.report.to_dict()                        # JSON-ready: fusions, near_misses
 
-``fuse`` runs :func:`onnx_moe_fuse.passes.fusion_pipeline`. It needs onnx, onnx-ir and onnxscript
-only (not wgpu, not onnxruntime).
+``fuse`` validates the model first (:func:`onnx_moe_fuse.model_check.validate_model`: opset
+imports, the attribute sets of standard ops, the ONNX checker; a path also has its external data
+checked as ORT reads it), then runs :func:`onnx_moe_fuse.passes.fusion_pipeline` for the
+``target`` runtime. Bad input or options raise errors of :mod:`onnx_moe_fuse.errors` (each a
+``ValueError`` or ``OSError``), never a bare protobuf or checker error. It needs onnx, onnx-ir
+and onnxscript only (not wgpu, not onnxruntime).
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from .passes import FusionReport, fusion_pipeline
+from onnx_moe_fuse.rewrites import ort_contract
 
-__all__ = ["FuseResult", "FusionReport", "fuse"]
+from .errors import OptionError
+from .model_check import validate_model
+from .model_io import load_model
+from .passes import ALL_FUSED_OPS, FusionReport, fusion_pipeline
 
-_OPS = ("MoE", "QMoE", "MatMulNBitsQkv")
+__all__ = ["FuseResult", "FusionReport", "check_target", "fuse"]
 
 
 @dataclass
@@ -53,42 +60,70 @@ def _only(only: Iterable[str] | None) -> frozenset[str] | None:
     if isinstance(only, str):
         raise TypeError("only must be a set of op names such as {'MoE'}, not a string")
     ops = frozenset(only)
-    unknown = ops - set(_OPS)
+    unknown = ops - ALL_FUSED_OPS
     if unknown:
-        raise ValueError(f"only: unknown ops {sorted(unknown)}; choose among {list(_OPS)}")
+        raise OptionError(
+            f"only: unknown ops {sorted(unknown)}; choose among {sorted(ALL_FUSED_OPS)}",
+            option="only",
+        )
     return ops
+
+
+def check_target(target: str) -> str:
+    """``target`` if it is one of ``ort_contract.TARGETS``, else :class:`OptionError`."""
+    if not isinstance(target, str) or target not in ort_contract.TARGETS:
+        raise OptionError(
+            f"target: unknown target {target!r}; choose one of {', '.join(ort_contract.TARGETS)}",
+            option="target",
+        )
+    return target
 
 
 def fuse(
     model: onnx.ModelProto | ir.Model | str | os.PathLike[str],
     *,
     only: set[str] | frozenset[str] | None = None,
+    target: str = ort_contract.DEFAULT_TARGET,
 ) -> FuseResult:
     """Fuse every layer of ``model`` that provably equals one MoE / QMoE / MatMulNBitsQkv node.
 
     Args:
         model: a ``ModelProto`` (not modified), an ``onnx_ir.Model`` (fused in place) or the
-            path of a ``.onnx`` file (external data is read lazily from beside it).
+            path of a ``.onnx`` file (validated and read with its external data, as
+            :func:`onnx_moe_fuse.model_io.load_model` reads it).
         only: the ops that may be emitted, e.g. ``{"MoE"}``; default all of
             ``{"MoE", "QMoE", "MatMulNBitsQkv"}``.
+        target: the runtime the fused nodes are written for, one of
+            ``onnx_moe_fuse.rewrites.ort_contract.TARGETS`` (``"ort-cpu"``, the default,
+            ``"ort-cuda"``, ``"ort-webgpu"``): only ops it has kernels for are emitted, each with
+            the attribute set it accepts.
 
     Returns:
         A :class:`FuseResult`. Layers that do not fuse are left exactly as they were; the
         report's ``near_misses`` say why each candidate layer was refused.
+
+    Raises:
+        OptionError: an unknown op in ``only`` or an unknown ``target``.
+        ModelLoadError: the model cannot be read or is not valid ONNX (its subclasses
+            ``ModelNotFoundError``, ``ModelValidationError``, ``ExternalDataError``).
     """
     ops = _only(only)
+    check_target(target)
     proto_in: onnx.ModelProto | None = None
     if isinstance(model, ir.Model):
         ir_model = model
     elif isinstance(model, onnx.ModelProto):
+        validate_model(model)
         proto_in = model
         ir_model = ir.serde.deserialize_model(model)
     elif isinstance(model, (str, os.PathLike)):
-        ir_model = ir.load(os.fspath(model))
+        # Our loader, not onnx_ir.load: onnx-ir refuses the links of the Hugging Face cache.
+        proto_in = load_model(model)
+        ir_model = ir.serde.deserialize_model(proto_in)
     else:
         raise TypeError(f"fuse() takes a ModelProto, an onnx_ir.Model or a path, not {type(model)}")
     report = FusionReport()
-    fusion_pipeline(report, ops)(ir_model)
+    fusion_pipeline(report, ops, target=target)(ir_model)
     if not report.fusions and proto_in is not None:
         out = onnx.ModelProto()
         out.CopyFrom(proto_in)

@@ -1,14 +1,21 @@
 """The ``onnx-moe-fuse`` command line.
 
     onnx-moe-fuse IN.onnx -o OUT.onnx [--verify] [--report REPORT.json] [--only QMoE,MoE]
-                  [--explain] [--seeds 0,1,2]
+                  [--target ort-cpu|ort-cuda|ort-webgpu] [--explain] [--seeds 0,1,2] [--debug]
     onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--explain]
     onnx-moe-fuse --self-check | --list-adapters
 
-Exit codes: 0 success (also when nothing fused: the report says so); 1 verification or
-self-check failed (no output model is written); 2 bad usage or bad input (unreadable model,
-output that would overwrite the input, unknown op); 3 no WebGPU adapter for a command
-that needs one.
+Exit codes (:data:`EXIT_OK` ...): 0 success (also when nothing fused: the report says so);
+1 verification or self-check failed (no model written); 2 bad input or options: one line on
+stderr naming the file, tensor, attribute or option, and nothing written; 3 no WebGPU adapter
+for a command that needs one; 4 an internal error (a bug of ours: a short message, the
+traceback only with ``--debug``).
+
+Everything that can be checked before work starts is checked first, in this order: the options
+(``--seeds``, ``--only``, ``--target``), the output paths (:func:`onnx_moe_fuse.output_paths.
+check_output_paths`: none may be the input, its data or another output; their folders must
+exist and take files), the input model (:func:`onnx_moe_fuse.model_io.load_model` validates
+it), the WebGPU adapter. Outputs are written last, each atomically.
 """
 
 from __future__ import annotations
@@ -18,20 +25,36 @@ import json
 import math
 import os
 import sys
-import tempfile
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER = 0, 1, 2, 3
+from onnx_moe_fuse.rewrites import ort_contract
+
+from .errors import MoEFuseError, OptionError
+from .output_paths import one_line, write_text_atomic
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
+
+_SEED_LIMIT = 2**63  # numpy's generators take any non-negative integer; keep it to int64
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`OptionError` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        """Turn argparse's complaint into an :class:`OptionError` (exit code 2)."""
+        raise OptionError(f"{message} (see --help)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="onnx-moe-fuse",
         description="Fuse mixture-of-experts layers of ONNX models into ONNX Runtime's "
         "QMoE / MoE / MatMulNBitsQkv nodes, and prove each rewrite on WebGPU.",
         epilog="Exit codes: 0 success, 1 verification or self-check failed (no output "
-        "written), 2 bad usage or input, 3 no WebGPU adapter.",
+        "written), 2 bad input or options (nothing written), 3 no WebGPU adapter, "
+        "4 internal error (--debug shows the traceback).",
     )
     parser.add_argument("input", nargs="?", help="the model to fuse (.onnx)")
     parser.add_argument("-o", "--output", help="where to write the fused model (atomically)")
@@ -43,7 +66,17 @@ def _parser() -> argparse.ArgumentParser:
         "exits 1 and writes no model",
     )
     parser.add_argument("--report", help="write a JSON report: fusions, near misses, verification")
-    parser.add_argument("--only", help="comma-separated ops that may be emitted (MoE, QMoE, MatMulNBitsQkv; default all)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated ops that may be emitted (MoE, QMoE, MatMulNBitsQkv; default all)",
+    )
+    parser.add_argument(
+        "--target",
+        choices=ort_contract.TARGETS,
+        default=ort_contract.DEFAULT_TARGET,
+        help="the ONNX Runtime package the fused nodes are written for: only ops it has "
+        f"kernels for, with the attributes it accepts (default {ort_contract.DEFAULT_TARGET})",
+    )
     parser.add_argument(
         "--explain",
         action="store_true",
@@ -67,7 +100,54 @@ def _parser() -> argparse.ArgumentParser:
         help="list the WebGPU adapters wgpu finds, best first",
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed for --self-check")
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an internal error"
+    )
     return parser
+
+
+# -- options --------------------------------------------------------------------------------------
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; :class:`OptionError` naming ``--seeds`` otherwise."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise OptionError(
+            f"--seeds must be integers separated by commas, such as 0,1,2: got {text!r}",
+            option="--seeds",
+        )
+    seeds = []
+    for part in parts:
+        if not part.isdecimal() or not part.isascii():
+            raise OptionError(
+                f"--seeds: {part!r} is not a non-negative integer (seeds are 0 or more)",
+                option="--seeds",
+            )
+        seed = int(part)
+        if seed >= _SEED_LIMIT:
+            raise OptionError(f"--seeds: {part} is too large (under 2**63)", option="--seeds")
+        seeds.append(seed)
+    return seeds
+
+
+def parse_only(text: str | None) -> set[str] | None:
+    """``"QMoE,MoE"`` -> ``{"QMoE", "MoE"}``; unknown or no op: :class:`OptionError`."""
+    from .passes import ALL_FUSED_OPS
+
+    if text is None:
+        return None
+    ops = {op.strip() for op in text.split(",") if op.strip()}
+    unknown = sorted(ops - ALL_FUSED_OPS)
+    if not ops or unknown:
+        what = f"unknown ops {unknown}" if unknown else "no op named"
+        raise OptionError(
+            f"--only: {what}; choose among {', '.join(sorted(ALL_FUSED_OPS))}", option="--only"
+        )
+    return ops
+
+
+# -- output ---------------------------------------------------------------------------------------
 
 
 def _json_safe(value: Any) -> Any:
@@ -82,26 +162,18 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
-    target = Path(path)
-    folder = target.resolve().parent
-    text = json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` as strict JSON to ``path`` atomically (mode 0666 less the umask)."""
+    write_text_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
 
 
-def _print_fusions(report: dict[str, Any]) -> None:
+def _print_fusions(report: dict[str, Any], target: str) -> None:
     fusions = report["fusions"]
     if not fusions:
         print("nothing fused")
     for f in fusions:
         print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
+    default = " (the default; --target picks another runtime)"
+    print(f"target {target}{default if target == ort_contract.DEFAULT_TARGET else ''}")
 
 
 def _print_near_misses(report: dict[str, Any]) -> None:
@@ -124,45 +196,75 @@ def _error(message: str, code: int) -> int:
     return code
 
 
-def _fuse_command(args: argparse.Namespace) -> int:
-    from .api import fuse
-    from .model_io import InputOverwriteError, ModelLoadError, load_model, save_model_atomic
+# -- commands -------------------------------------------------------------------------------------
 
+
+def _check_paths(args: argparse.Namespace, input_path: Path | None) -> None:
+    from .errors import OutputPathError
+    from .model_io import data_file_for, input_files
+    from .output_paths import check_output_paths
+
+    outputs: dict[str, Path] = {}
+    if args.output:
+        outputs["-o"] = Path(args.output)
+        try:
+            outputs["the data file of -o"] = data_file_for(args.output)
+        except OutputPathError as exc:
+            raise OutputPathError(f"-o: {exc}", path=args.output) from None
+    if args.report:
+        outputs["--report"] = Path(args.report)
+    check_output_paths(outputs, protected=input_files(input_path))
+
+
+def _needs_adapter() -> int | None:
+    from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
+
+    try:
+        default_device()
+    except NoAdapterError as exc:
+        return _error(f"--verify needs a WebGPU adapter: {exc}", EXIT_NO_ADAPTER)
+    return None
+
+
+def _fuse_command(args: argparse.Namespace) -> int:
+    from . import api
+    from .model_io import load_model, save_model_atomic
+
+    seeds = parse_seeds(args.seeds)
+    only = parse_only(args.only)
+    target = api.check_target(args.target)
+    if args.demo:
+        input_path = None
+    else:
+        if not args.input:
+            raise OptionError(
+                "give a model to fuse (or --demo, --self-check, --list-adapters)", option="input"
+            )
+        if not args.output:
+            raise OptionError("give the output path with -o OUT.onnx", option="-o")
+        input_path = Path(args.input)
+    _check_paths(args, input_path)
     if args.demo:
         from .samples import default_sample
 
         sample = default_sample()
         print(f"demo: sample {sample.name}: {sample.description}")
-        original, input_path = sample.model, None
+        original = sample.model
     else:
-        if not args.input:
-            return _error(
-                "give a model to fuse (or --demo, --self-check, --list-adapters)", EXIT_USAGE
-            )
-        if not args.output:
-            return _error("give the output path with -o OUT.onnx", EXIT_USAGE)
-        input_path = Path(args.input)
-        try:
-            original = load_model(input_path)
-        except (ModelLoadError, OSError) as exc:
-            return _error(str(exc), EXIT_USAGE)
-    if args.output and input_path is not None:
-        out = Path(args.output)
-        if out.exists() and input_path.exists() and os.path.samefile(out, input_path):
-            return _error(f"refusing to overwrite the input {input_path}", EXIT_USAGE)
-    only = None
-    if args.only:
-        only = {op.strip() for op in args.only.split(",") if op.strip()}
-    try:
-        result = fuse(original, only=only)
-    except (ValueError, TypeError) as exc:
-        return _error(str(exc), EXIT_USAGE)
+        original = load_model(input_path)
+    if args.verify or args.demo:
+        refused = _needs_adapter()
+        if refused is not None:
+            return refused
+
+    result = api.fuse(original, only=only, target=target)
     report: dict[str, Any] = {
         "input": str(input_path) if input_path else "demo sample",
         "output": args.output,
+        "target": target,
         **result.report.to_dict(),
     }
-    _print_fusions(report)
+    _print_fusions(report, target)
     if args.explain:
         _print_near_misses(report)
 
@@ -170,12 +272,6 @@ def _fuse_command(args: argparse.Namespace) -> int:
     if args.verify or args.demo:
         from .verify import verify
 
-        try:
-            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        except ValueError:
-            return _error(
-                f"--seeds must be integers separated by commas: {args.seeds!r}", EXIT_USAGE
-            )
         if result.fused:
             verification = verify(original, result.model, seeds=seeds)
             report["verification"] = verification.to_dict()
@@ -187,24 +283,33 @@ def _fuse_command(args: argparse.Namespace) -> int:
                 "note": "nothing fused: the output equals the input",
             }
             print("verification: nothing fused, nothing to verify")
-    if args.report:
-        write_json_atomic(args.report, report)
     if not ok:
+        if args.report:
+            write_json_atomic(args.report, report)
         return _error("verification FAILED: no model written", EXIT_FAILED)
     if args.output:
-        try:
-            written = save_model_atomic(result.model, args.output, input_path=input_path)
-        except InputOverwriteError as exc:
-            return _error(str(exc), EXIT_USAGE)
-        except (FileNotFoundError, ValueError) as exc:
-            return _error(str(exc), EXIT_USAGE)
+        written = save_model_atomic(result.model, args.output, input_path=input_path)
         print("wrote " + ", ".join(str(p) for p in written))
+    if args.report:
+        write_json_atomic(args.report, report)
+        print(f"wrote {args.report}")
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
-    args = _parser().parse_args(argv)
+def _self_check(args: argparse.Namespace) -> int:
+    from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
+
+    from .selfcheck import print_self_check, run_self_check
+
+    try:
+        device = default_device()
+    except NoAdapterError as exc:
+        return _error(str(exc), EXIT_NO_ADAPTER)
+    ok = print_self_check(run_self_check(args.seed), device.description)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.list_adapters:
         from onnx_moe_fuse.kernels.device import list_adapters
 
@@ -212,27 +317,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:<11} {description}")
         return EXIT_OK
     if args.self_check:
-        from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
-
-        from .selfcheck import print_self_check, run_self_check
-
-        try:
-            device = default_device()
-        except NoAdapterError as exc:
-            return _error(str(exc), EXIT_NO_ADAPTER)
-        ok = print_self_check(run_self_check(args.seed), device.description)
-        return EXIT_OK if ok else EXIT_FAILED
+        return _self_check(args)
     if args.demo or args.input or args.output:
-        if args.verify or args.demo:
-            from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
-
-            try:
-                default_device()
-            except NoAdapterError as exc:
-                return _error(f"--verify needs a WebGPU adapter: {exc}", EXIT_NO_ADAPTER)
         return _fuse_command(args)
     _parser().print_help()
     return EXIT_USAGE
+
+
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    """What a user's input or options can raise: exit 2 with the message, no traceback."""
+    from .reference import FeedTooLargeError
+
+    return (MoEFuseError, FeedTooLargeError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script: returns the exit code (see the module docstring)."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+        return _run(args)
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        return _error("interrupted; nothing written", 130)
+    except Exception as exc:  # every error leaves through here: one line, a code that means it
+        if isinstance(exc, _bad_input_errors()):
+            return _error(one_line(exc), EXIT_USAGE)
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (rerun with --debug for the traceback)"
+        return _error(
+            f"internal error: {type(exc).__name__}: {one_line(exc)}{hint}; nothing written; "
+            "please report it",
+            EXIT_INTERNAL,
+        )
 
 
 if __name__ == "__main__":

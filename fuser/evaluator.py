@@ -35,6 +35,13 @@ message followed by the ONNX input it came from.
 
 A kernel package that is not installed yet raises :class:`KernelPackageMissingError` naming the
 op and the package folder; :func:`missing_kernel_packages` finds them all before a run.
+
+Every other com.microsoft op a model may hold outside its fused nodes runs in the reference
+path's numpy code (:data:`REFERENCE_OP_CLASSES`, from :mod:`onnx_moe_fuse.reference`):
+``MatMulNBits`` (what ORT's ``MatMulNBitsQuantizer`` writes, and the projections a fused-for-CPU
+attention prelude keeps), ``SimplifiedLayerNormalization`` and
+``SkipSimplifiedLayerNormalization``. Plain ``onnx.reference`` does not know them, and the
+unfused parts of a model must compute the same on every path of the checker.
 """
 
 from __future__ import annotations
@@ -53,12 +60,14 @@ from onnx.reference.op_run import OpRun
 
 from .kernels.planner import KernelCallError
 from .kernels.runtime import get_kernel
+from .reference import CUSTOM_OPS as _REFERENCE_OPS
 
 __all__ = [
     "KERNEL_OPS",
     "KernelNodeError",
     "KernelOpSpec",
     "KernelPackageMissingError",
+    "REFERENCE_OP_CLASSES",
     "UnsupportedNodeError",
     "WgpuEvaluatorError",
     "kernel_nodes",
@@ -446,6 +455,11 @@ class MatMulNBitsQkv(_KernelOp):
 
 
 KERNEL_OP_CLASSES: tuple[type[OpRun], ...] = (GroupedMatMul, QMoE, MoE, MatMulNBitsQkv)
+#: The reference path's OpRun classes for the ops no kernel package runs (see the module
+#: docstring); the wgpu evaluator installs them next to :data:`KERNEL_OP_CLASSES`.
+REFERENCE_OP_CLASSES: tuple[type[OpRun], ...] = tuple(
+    cls for cls in _REFERENCE_OPS if (cls.op_domain, cls.__name__) not in KERNEL_OPS
+)
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -493,12 +507,16 @@ def wgpu_evaluator(
 ) -> ReferenceEvaluator:
     """A ReferenceEvaluator whose GroupedMatMul, QMoE, MoE and MatMulNBitsQkv run on wgpu.
 
-    ``check_shapes`` checks every computed value against its declared type and shape.
+    The other com.microsoft ops run in the reference path's numpy code
+    (:data:`REFERENCE_OP_CLASSES`). ``check_shapes`` checks every computed value against its
+    declared type and shape.
     """
     if not isinstance(model, onnx.ModelProto):
         model = os.fspath(model)
     return ReferenceEvaluator(
-        model, new_ops=list(KERNEL_OP_CLASSES), check_shape_annotations=check_shapes
+        model,
+        new_ops=[*KERNEL_OP_CLASSES, *REFERENCE_OP_CLASSES],
+        check_shape_annotations=check_shapes,
     )
 
 

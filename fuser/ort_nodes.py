@@ -8,7 +8,9 @@ The tests, the benchmarks and the oracle checks all run ORT the same way, from h
 * :func:`kernel_node_model` / :func:`run_kernel_node`: a QMoE or MoE kernel call (tensors by bind
   key, attributes as the kernel takes them) as that one node, every attribute written explicitly
   (absent ones at the manifests' defaults) and ORT's exact modes chosen: ``accuracy_level`` 0
-  (no int8 activations), no sparse mixer, no prepacked weights.
+  (no int8 activations), no sparse mixer, no prepacked weights (QMoE's ``quant_type``,
+  ``weights_prepacked`` and ``accuracy_level`` are the ort-cpu target's, from
+  :mod:`onnx_moe_fuse.rewrites.ort_contract`).
 * :func:`qkv_composition_model` / :func:`run_qkv_composition`: the graph ``MatMulNBitsQkv``
   replaces (ORT has no CPU kernel for it): ``SimplifiedLayerNormalization`` or
   ``com.microsoft.SkipSimplifiedLayerNormalization``, then three ``com.microsoft.MatMulNBits``
@@ -30,6 +32,7 @@ from onnx import helper, numpy_helper
 
 from .evaluator import MOE, QMOE, KernelOpSpec
 from .oracles.kernel_calls import ATTRIBUTE_DEFAULTS
+from .rewrites import ort_contract
 
 __all__ = [
     "kernel_node_attributes",
@@ -168,12 +171,9 @@ def kernel_node_attributes(kernel: str, attrs: Mapping[str, Any]) -> dict[str, A
         "swiglu_limit_after_activation": 0,
     }
     if kernel == "QMoE":
-        full.update(
-            expert_weight_bits=a["expert_weight_bits"],
-            quant_type="int",
-            weights_prepacked=0,
-            accuracy_level=0,
-        )
+        full["expert_weight_bits"] = a["expert_weight_bits"]
+        # what ORT CPU needs for the raw layout and exact activations: the target contract's
+        full.update(ort_contract.CONTRACTS["ort-cpu"]["QMoE"].fixed)
         if a.get("block_size"):
             full["block_size"] = a["block_size"]
     if "swiglu_limit" in a:

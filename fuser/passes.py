@@ -9,9 +9,16 @@
     RemoveDeadCodePass     drop what the fused layers left dead (DequantizeLinear, the router
                            Softmax, Constants, unused initializers); only after a fusion
     LowerOpsetPass         "" : 29 -> 28 once no GroupedMatMul is left (opset 29 adds only
-                           GroupedMatMul, and ONNX Runtime 1.32 refuses opset-29 models)
+                           GroupedMatMul, and ONNX Runtime 1.32 refuses opset-29 models), and on
+                           down to the target's opset past versions whose changes are unused
     FusedNodesCheckPass    postconditions: no private-domain (internal) op survives, and every
-                           fused node writes all of its attributes
+                           fused node is an op the target has and carries its attribute set
+
+Every pass knows the ``target`` runtime (:mod:`onnx_moe_fuse.rewrites.ort_contract`): the rules
+stay target-free and emit what a layer means; at emission (before a MoE/QMoE node is spliced,
+after a MatMulNBitsQkv rewrite) the node gets the target's attribute set, and a node whose op,
+activation or dtype the target has no kernel for is not emitted but reported as a near miss of
+part ``target`` naming the alternative.
 
 A model in which nothing fused comes out of the pipeline unchanged: the clean-up passes act only
 when the report holds a fusion.
@@ -37,12 +44,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
 
 from onnx_moe_fuse.canonicalise import canonicalise
 from onnx_moe_fuse.rewrites import matmul_nbits_qkv as qkv
+from onnx_moe_fuse.rewrites import ort_contract
 from onnx_moe_fuse.rewrites._moe_analysis import PARTS
 from onnx_moe_fuse.rewrites._moe_rule import LAYER_OUT_KEY, TOPK_KEY
 from onnx_moe_fuse.rewrites.canonical.sorted_experts import sorted_refusal_for
@@ -76,28 +85,28 @@ __all__ = [
 INTERNAL_DOMAIN = "ai.onnx_moe_fuse.internal"
 MS_DOMAIN = "com.microsoft"
 
-#: Ops each default-domain opset adds or changes, for versions past the installed onnx. Opset 29
-#: adds GroupedMatMul and changes nothing else (read from onnx-weekly 1.24.0.dev20261026's schema
-#: list: the only schema with since_version 29 is GroupedMatMul).
-OPSET_CHANGES: dict[int, frozenset[str]] = {29: frozenset({"GroupedMatMul"})}
-
-#: Attributes every emitted node writes (ORT's defaults differ between builds).
-REQUIRED_ATTRIBUTES: dict[str, frozenset[str]] = {
-    "MoE": frozenset(
-        {
-            "k",
-            "activation_type",
-            "normalize_routing_weights",
-            "use_sparse_mixer",
-            "swiglu_fusion",
-            "activation_alpha",
-            "activation_beta",
-            "swiglu_limit",
-        }
-    ),
+#: Ops each default-domain opset adds or changes: the installed onnx's schemas by
+#: ``since_version``, and opset 29, past onnx 1.23, which adds GroupedMatMul and changes nothing
+#: else (read from onnx-weekly 1.24.0.dev20261026's schema list: the only schema with
+#: since_version 29 is GroupedMatMul).
+OPSET_CHANGES: dict[int, frozenset[str]] = {
+    29: frozenset({"GroupedMatMul"}),
+    **{
+        version: frozenset(
+            s.name
+            for s in onnx.defs.get_all_schemas_with_history()
+            if s.domain == "" and s.since_version == version
+        )
+        for version in range(2, onnx.defs.onnx_opset_version() + 1)
+    },
 }
-REQUIRED_ATTRIBUTES["QMoE"] = REQUIRED_ATTRIBUTES["MoE"] | {"expert_weight_bits", "block_size"}
-REQUIRED_ATTRIBUTES[qkv.FUSED_OP] = qkv.FUSED_ATTRIBUTES
+
+#: Attributes every emitted node writes for the default target (ORT's defaults differ between
+#: builds); :func:`onnx_moe_fuse.rewrites.ort_contract.attribute_names` gives them per target.
+REQUIRED_ATTRIBUTES: dict[str, frozenset[str]] = {
+    op: ort_contract.attribute_names(op, ort_contract.DEFAULT_TARGET)
+    for op in ort_contract.ops_for(ort_contract.DEFAULT_TARGET)
+}
 
 _RULE_PREFIXES = (*(cls.__name__ for cls in RULE_CLASSES), f"{qkv.FUSED_OP}[")
 _RULE_NAME_TAG = "pkg.onnxscript.rewriter.rule_name"
@@ -125,11 +134,15 @@ class FusionReport:
     which keeps the model's names for every node it did not rewrite.
     ``canonicalisation``: one line per canonicalisation pass that failed on the working copy
     and was skipped (canonicalisation never changes the model itself).
+    ``target``: the runtime the fused nodes were written for (one of
+    :data:`onnx_moe_fuse.rewrites.ort_contract.TARGETS`); a layer whose fused op that runtime
+    lacks is a near miss of part ``target``.
     """
 
     fusions: list[dict[str, Any]] = field(default_factory=list)
     near_misses: list[dict[str, Any]] = field(default_factory=list)
     canonicalisation: list[str] = field(default_factory=list)
+    target: str = ort_contract.DEFAULT_TARGET
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -375,22 +388,86 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
     return None
 
 
+def _emitted(only: Iterable[str] | None) -> frozenset[str]:
+    """The ops ``only`` names (default: every op); ``ValueError`` for an unknown one."""
+    emit = ALL_FUSED_OPS if only is None else frozenset(only)
+    if not emit <= ALL_FUSED_OPS:
+        raise ValueError(f"only must name ops among {sorted(ALL_FUSED_OPS)}, got {sorted(emit)}")
+    return emit
+
+
+_RESHAPES = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
+
+
+def _activation_dtype(node: ir.Node) -> str | None:
+    """``"float32"``, ``"float16"``, ...: the element type of the fused node's activations.
+
+    Input 0 (the tokens) and output 0 share it. A value the rule made (its Reshape of rank-3
+    tokens) may not carry its type: then the value it reshapes is read.
+    """
+    for value in (*node.inputs[:1], *node.outputs[:1]):
+        for _ in range(4):
+            if value is None:
+                break
+            if value.dtype is not None:
+                return str(value.dtype.numpy())
+            producer = value.producer()
+            if producer is None or producer.op_type not in _RESHAPES or not producer.inputs:
+                break
+            value = producer.inputs[0]
+    return None
+
+
+def _target_refusal(node: ir.Node, target: str) -> str | None:
+    """Why the fused ``node`` cannot be written for ``target`` (ort_contract's words), or None."""
+    activation = node.attributes.get("activation_type")
+    return ort_contract.refusal(
+        node.op_type,
+        activation.value if activation is not None else None,
+        target,
+        _activation_dtype(node),
+    )
+
+
+def _producer_of(graph: ir.Graph, name: str | None) -> ir.Node | None:
+    """The node of ``graph`` whose first output is named ``name``."""
+    if not name:
+        return None
+    return next((n for n in graph if n.outputs and n.outputs[0].name == name), None)
+
+
+def _apply_target_attributes(node: ir.Node, target: str) -> None:
+    """Give the fused ``node`` the attribute set ``target`` takes (ort_contract)."""
+    attrs = ort_contract.node_attributes(
+        node.op_type, {k: _attr_value(a) for k, a in node.attributes.items()}, target
+    )
+    node.attributes.clear()
+    for attr in ir.convenience.convert_attributes(attrs):
+        node.attributes[attr.name] = attr
+
+
 class FuseMoELayersPass(ir.passes.InPlacePass):
     """Rewrite every provable MoE layer into ``com.microsoft.MoE`` / ``QMoE``.
 
-    ``only`` restricts the ops emitted (``{"MoE"}``, ``{"QMoE"}``; default both). The fusions
-    and near misses are appended to ``report`` (a :class:`FusionReport`, shared with the caller).
+    ``only`` restricts the ops emitted (``{"MoE"}``, ``{"QMoE"}``; default both), ``target``
+    the runtime they are written for: a layer whose op, activation or dtype the target has no
+    kernel for stays as it is and becomes a near miss of part ``target``
+    (:func:`onnx_moe_fuse.rewrites.ort_contract.refusal`); a fused node gets the target's
+    attribute set (:func:`~onnx_moe_fuse.rewrites.ort_contract.node_attributes`) before it is
+    spliced. The fusions and near misses are appended to ``report`` (a :class:`FusionReport`,
+    shared with the caller).
     """
 
-    def __init__(self, report: FusionReport | None = None, only: Iterable[str] | None = None):
+    def __init__(
+        self,
+        report: FusionReport | None = None,
+        only: Iterable[str] | None = None,
+        target: str = ort_contract.DEFAULT_TARGET,
+    ):
         """Set up the pass; ``report`` receives what it did."""
         super().__init__()
-        emit = ALL_FUSED_OPS if only is None else frozenset(only)
-        if not emit <= ALL_FUSED_OPS:
-            raise ValueError(
-                f"only must name ops among {sorted(ALL_FUSED_OPS)}, got {sorted(emit)}"
-            )
-        self.emit = emit & FUSED_OPS
+        self.emit = _emitted(only) & FUSED_OPS
+        self.target = ort_contract.check_target(target)
         self.report = report if report is not None else FusionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -415,6 +492,22 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         for node in _fused_nodes(work.graph):
             layer_out = node.metadata_props.get(LAYER_OUT_KEY, "")
             fused_topks.add(node.metadata_props.get(TOPK_KEY, ""))
+            reason = _target_refusal(node, self.target)
+            if reason is not None:
+                self.report.near_misses.append(
+                    _near_miss(
+                        rule=_rule_name(node),
+                        part="target",
+                        node=layer_out,
+                        reason=reason,
+                        root=layer_out,
+                        topk=_label(_producer_of(work.graph, node.metadata_props.get(TOPK_KEY))),
+                        router=None,
+                        values=[],
+                    )
+                )
+                continue
+            _apply_target_attributes(node, self.target)
             try:
                 result = splice_fused_node(model, node, layer_out)
             except SpliceRefusal as refusal:
@@ -558,25 +651,45 @@ class FuseQkvPass(ir.passes.InPlacePass):
 
     Runs when ``only`` (default: every op) names MatMulNBitsQkv. Near misses come from the
     rule module's own dry run (:func:`onnx_moe_fuse.rewrites.matmul_nbits_qkv.near_misses`),
-    which also sees norms read by other than three projections.
+    which also sees norms read by other than three projections. When ``target`` has no
+    MatMulNBitsQkv kernel (ORT CPU and CUDA), the model is left as it is and every prelude that
+    would have fused is a near miss of part ``target`` saying so (found by fusing a clone).
     """
 
-    def __init__(self, report: FusionReport | None = None, only: Iterable[str] | None = None):
+    def __init__(
+        self,
+        report: FusionReport | None = None,
+        only: Iterable[str] | None = None,
+        target: str = ort_contract.DEFAULT_TARGET,
+    ):
         """Set up the pass; ``report`` receives what it did."""
         super().__init__()
-        self.enabled = only is None or qkv.FUSED_OP in set(only)
+        self.enabled = qkv.FUSED_OP in _emitted(only)
+        self.target = ort_contract.check_target(target)
         self.report = report if report is not None else FusionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Dry-run for near misses, then rewrite; fill the report."""
         if not self.enabled:
             return ir.passes.PassResult(model, modified=False)
+        # the rule runs name values and type constants they read; that is put back, so that
+        # what does not fuse stays as it was
+        names, untyped = _names(model.graph), _untyped(model.graph)
         misses = qkv.near_misses(model)
-        names = _names(model.graph)
-        count = qkv.rules().apply_to_model(model)
-        if count:
+        reason = ort_contract.refusal(qkv.FUSED_OP, None, self.target)
+        count = 0
+        if reason is None:
+            count = qkv.rules().apply_to_model(model)
             _restore_names(names)
-        _report_fusions(model.graph, self.report)
+            _restore_untyped(untyped)
+            for node in _fused_nodes(model.graph):
+                if node.op_type == qkv.FUSED_OP:
+                    _apply_target_attributes(node, self.target)
+            _report_fusions(model.graph, self.report)
+        else:
+            _restore_names(names)
+            _restore_untyped(untyped)
+            self._refuse_for_target(model, reason)
         for miss in misses:
             self.report.near_misses.append(
                 _near_miss(
@@ -591,6 +704,31 @@ class FuseQkvPass(ir.passes.InPlacePass):
                 )
             )
         return ir.passes.PassResult(model, modified=count > 0)
+
+    def _refuse_for_target(self, model: ir.Model, reason: str) -> None:
+        """A near miss for every prelude that would fuse; ``model`` is not changed."""
+        tensor_names = _shared_tensor_names(model.graph)
+        work = model.clone()
+        qkv.rules().apply_to_model(work)
+        for node in _fused_nodes(work.graph):
+            if node.op_type != qkv.FUSED_OP:
+                continue
+            replaced = json.loads(node.metadata_props[REPLACED_KEY])
+            self.report.near_misses.append(
+                _near_miss(
+                    rule=_rule_name(node),
+                    part="target",
+                    node=replaced[0] if replaced else _label(node),
+                    reason=reason,
+                    root=replaced[0] if replaced else _label(node),
+                    topk=None,
+                    router=None,
+                    values=list(replaced),
+                )
+            )
+        for tensor, name in tensor_names:
+            if tensor.name != name:
+                tensor.name = name
 
 
 def _names(graph: ir.Graph) -> list[tuple[ir.Node | ir.Value, str | None]]:
@@ -609,6 +747,25 @@ def _restore_names(names: list[tuple[ir.Node | ir.Value, str | None]]) -> None:
                 item.name = name
         elif item.name != name and (item.producer() is None or item.producer().graph is not None):
             item.name = name
+
+
+def _untyped(graph: ir.Graph) -> list[tuple[ir.Value, bool, bool]]:
+    """Every node output with no type or no shape: ``(value, lacks type, lacks shape)``."""
+    return [
+        (v, v.type is None, v.shape is None)
+        for node in graph
+        for v in node.outputs
+        if v.type is None or v.shape is None
+    ]
+
+
+def _restore_untyped(untyped: list[tuple[ir.Value, bool, bool]]) -> None:
+    """Take back the types and shapes a rule run gave values (onnx-ir's constant readers do)."""
+    for value, no_type, no_shape in untyped:
+        if no_type:
+            value.type = None
+        if no_shape:
+            value.shape = None
 
 
 def _fused(report: FusionReport | None) -> bool:
@@ -654,20 +811,30 @@ def _uses_op(graph_like: ir.Graph | ir.Function, ops: frozenset[str]) -> bool:
 
 
 class LowerOpsetPass(_AfterFusionPass):
-    """Lower the default-domain opset past versions whose only changes are unused ops.
+    """Lower the default-domain opset to the target's, past versions whose changes are unused.
 
     Opset 29 only adds ``GroupedMatMul`` (:data:`OPSET_CHANGES`); once fusion removed the last
-    one, ``"" : 29`` means the same as ``"" : 28``, which ONNX Runtime 1.32 loads. With a
-    ``report``, only when it records a fusion.
+    one, ``"" : 29`` means the same as ``"" : 28``, which ONNX Runtime 1.32 loads. The same holds
+    for any version whose added or changed ops the model does not use, so the pass goes on down
+    to the newest opset the target loads (:func:`onnx_moe_fuse.rewrites.ort_contract.max_opset`:
+    onnxruntime-webgpu 1.27 stops at 26) and stops at the first version whose changes the model
+    uses. With a ``report``, only when it records a fusion.
     """
 
+    def __init__(
+        self, report: FusionReport | None = None, target: str = ort_contract.DEFAULT_TARGET
+    ):
+        """``report``: act only if it holds a fusion (None: always); ``target``: its opset."""
+        super().__init__(report)
+        self.floor = ort_contract.max_opset(target)
+
     def clean(self, model: ir.Model) -> ir.passes.PassResult:
-        """Lower while the newest declared version's changes are unused."""
+        """Lower while above the target's opset and the newest version's changes are unused."""
         modified = False
         while True:
             version = model.opset_imports.get("")
             changes = OPSET_CHANGES.get(version) if version is not None else None
-            if changes is None:
+            if changes is None or version <= self.floor:
                 break
             if _uses_op(model.graph, changes) or any(
                 _uses_op(f, changes) for f in model.functions.values()
@@ -683,14 +850,23 @@ class LowerOpsetPass(_AfterFusionPass):
 
 
 class FusedNodesCheckPass(ir.passes.InPlacePass):
-    """Postconditions only: no internal (private-domain) op survives, fused nodes are complete."""
+    """Postconditions only: no internal (private-domain) op survives, fused nodes are complete.
+
+    A fused node must be an op ``target`` has a kernel for and carry exactly the attribute set
+    the target takes (:func:`onnx_moe_fuse.rewrites.ort_contract.attribute_names`).
+    """
+
+    def __init__(self, target: str = ort_contract.DEFAULT_TARGET):
+        """``target``: the runtime the fused nodes were written for."""
+        super().__init__()
+        self.target = ort_contract.check_target(target)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Change nothing."""
         return ir.passes.PassResult(model, modified=False)
 
     def ensures(self, model: ir.Model) -> None:
-        """Raise ``PostconditionError`` on an internal op or a fused node missing an attribute."""
+        """Raise ``PostconditionError`` on an internal op or a fused node the target cannot run."""
         graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
         for g in graphs:
             for node in ir.traversal.RecursiveGraphIterator(g):
@@ -702,27 +878,44 @@ class FusedNodesCheckPass(ir.passes.InPlacePass):
                     raise ir.passes.PostconditionError(
                         f"fused node {_label(node)} still carries the {REPLACED_KEY} marker"
                     )
-                required = REQUIRED_ATTRIBUTES.get(node.op_type)
-                if node.domain == MS_DOMAIN and required and _rule_name(node):
-                    missing = required - set(node.attributes)
-                    if missing:
-                        raise ir.passes.PostconditionError(
-                            f"fused {node.op_type} {_label(node)} lacks attributes {sorted(missing)}"
-                        )
+                if node.domain != MS_DOMAIN or node.op_type not in ALL_FUSED_OPS:
+                    continue
+                if not _rule_name(node):
+                    continue  # a node the model already had
+                if node.op_type not in ort_contract.ops_for(self.target):
+                    raise ir.passes.PostconditionError(
+                        f"fused {node.op_type} {_label(node)} was emitted for {self.target}, "
+                        "which has no kernel for it"
+                    )
+                expected = ort_contract.attribute_names(node.op_type, self.target)
+                if set(node.attributes) != expected:
+                    raise ir.passes.PostconditionError(
+                        f"fused {node.op_type} {_label(node)} carries attributes "
+                        f"{sorted(node.attributes)}, but {self.target} takes {sorted(expected)}"
+                    )
 
 
 def fusion_pipeline(
-    report: FusionReport | None = None, only: Iterable[str] | None = None
+    report: FusionReport | None = None,
+    only: Iterable[str] | None = None,
+    target: str = ort_contract.DEFAULT_TARGET,
 ) -> ir.passes.PassManager:
-    """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results."""
+    """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results.
+
+    ``only`` names the ops that may be emitted (default: all of :data:`ALL_FUSED_OPS`);
+    ``target`` (one of :data:`onnx_moe_fuse.rewrites.ort_contract.TARGETS`, default
+    ``"ort-cpu"``) the runtime the fused nodes are written for: only ops it has kernels for are
+    emitted, each with the attribute set it takes. ``ValueError`` for an unknown op or target.
+    """
     report = report if report is not None else FusionReport()
+    report.target = ort_contract.check_target(target)
     return ir.passes.PassManager(
         [
-            FuseMoELayersPass(report, only),
-            FuseQkvPass(report, only),
+            FuseMoELayersPass(report, only, target),
+            FuseQkvPass(report, only, target),
             RemoveDeadCodePass(report),
-            LowerOpsetPass(report),
-            FusedNodesCheckPass(),
+            LowerOpsetPass(report, target),
+            FusedNodesCheckPass(target),
         ],
         steps=1,
     )

@@ -29,7 +29,9 @@ its newest onnx 1.23 version: DequantizeLinear 28, TopK 24, Reshape/Squeeze/Unsq
 GroupedMatMul with domain_version of 29").
 
 :func:`random_feeds` makes fresh random inputs for every graph input, symbolic dims given small
-values.
+values. It refuses, before allocating anything, inputs that would take more than
+:data:`MAX_FEED_BYTES` in all (a model with a fixed 1e8-row input once asked for 48 GB):
+:class:`FeedTooLargeError` names the input, its shape and its size.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
+from .errors import MoEFuseError
 from .oracles.grouped_matmul import grouped_matmul
 from .oracles.matmul_nbits_qkv import matmul_nbits_qkv
 from .oracles.moe import moe, qmoe
@@ -52,6 +55,8 @@ from .oracles.quant import unpack_bits
 
 __all__ = [
     "DEFAULT_DIM_VALUES",
+    "MAX_FEED_BYTES",
+    "FeedTooLargeError",
     "GroupedMatMul",
     "MatMulNBits",
     "MatMulNBitsQkv",
@@ -59,6 +64,7 @@ __all__ = [
     "QMoE",
     "SimplifiedLayerNormalization",
     "SkipSimplifiedLayerNormalization",
+    "feed_shapes",
     "reference_evaluator",
     "run_reference",
     "random_feeds",
@@ -549,6 +555,33 @@ def run_reference(
     return dict(zip(names, results, strict=True))
 
 
+#: The most bytes :func:`random_feeds` makes for one model's inputs together (256 MiB): the
+#: checker runs every path on them and keeps intermediates, so far more than this is used.
+MAX_FEED_BYTES = 256 * 2**20
+
+
+class FeedTooLargeError(MoEFuseError, ValueError):
+    """The random inputs of a model would be too large to make; the message names the input.
+
+    A bad input (the CLI's exit code 2), not a failed verification: ``input_name`` is the graph
+    input that went over the limit, ``nbytes`` its size.
+    """
+
+    input_name: str
+    nbytes: int
+
+    def __init__(self, message: str, input_name: str, nbytes: int):
+        """One line naming the input, its shape and size."""
+        super().__init__(message, input_name=input_name, nbytes=nbytes)
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
 def _dim_value(dim: Any, dim_values: Mapping[str, int], default_dim: int) -> int:
     if dim.HasField("dim_value"):
         return int(dim.dim_value)
@@ -557,25 +590,23 @@ def _dim_value(dim: Any, dim_values: Mapping[str, int], default_dim: int) -> int
     return default_dim
 
 
-def random_feeds(
+def feed_shapes(
     model: onnx.ModelProto,
-    seed: int,
     dim_values: Mapping[str, int] | None = None,
     *,
     default_dim: int = 3,
-    scale: float = 1.0,
-) -> dict[str, np.ndarray]:
-    """Fresh random values for every graph input that no initializer provides.
+    max_bytes: int = MAX_FEED_BYTES,
+) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """``{input: (dtype, shape)}`` of the inputs :func:`random_feeds` makes, checked for size.
 
-    Float inputs (float16/bfloat16/float32/float64) get ``scale * N(0, 1)`` values; integer inputs
-    get integers in ``[0, 4)``; bool inputs random booleans. A symbolic dim takes its value from
-    ``dim_values`` (over :data:`DEFAULT_DIM_VALUES`), an unnamed or unknown one ``default_dim``.
-    The same ``seed`` gives the same feeds.
+    Raises :class:`FeedTooLargeError` when they would take more than ``max_bytes`` together,
+    naming the input that goes over; ``TypeError`` / ``ValueError`` for an input it cannot make
+    (not a tensor, no shape, a dtype it has no random values for).
     """
     dims = {**DEFAULT_DIM_VALUES, **(dim_values or {})}
-    rng = np.random.default_rng(seed)
     initialized = {init.name for init in model.graph.initializer}
-    feeds: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+    total = 0
     for value in model.graph.input:
         if value.name in initialized:
             continue
@@ -586,12 +617,48 @@ def random_feeds(
         if not tensor_type.HasField("shape"):
             raise ValueError(f"input {value.name!r} has no shape; pass it yourself")
         shape = tuple(_dim_value(d, dims, default_dim) for d in tensor_type.shape.dim)
-        if dtype in _FLOAT_DTYPES:
-            feeds[value.name] = (rng.standard_normal(shape) * scale).astype(dtype)
-        elif dtype.kind in "iu":
-            feeds[value.name] = rng.integers(0, 4, shape).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[value.name] = rng.random(shape) < 0.5
-        else:
+        if not (dtype in _FLOAT_DTYPES or dtype.kind in "iub"):
             raise TypeError(f"input {value.name!r} has dtype {dtype}; pass it yourself")
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+        total += nbytes
+        if total > max_bytes:
+            raise FeedTooLargeError(
+                f"input {value.name!r} of shape {list(shape)} ({dtype}) would take "
+                f"{_size_text(nbytes)} of random values; the checker makes at most "
+                f"{_size_text(max_bytes)} of inputs per model: give its symbolic dims smaller "
+                "values, or verify a smaller model",
+                value.name,
+                nbytes,
+            )
+        shapes[value.name] = (dtype, shape)
+    return shapes
+
+
+def random_feeds(
+    model: onnx.ModelProto,
+    seed: int,
+    dim_values: Mapping[str, int] | None = None,
+    *,
+    default_dim: int = 3,
+    scale: float = 1.0,
+    max_bytes: int = MAX_FEED_BYTES,
+) -> dict[str, np.ndarray]:
+    """Fresh random values for every graph input that no initializer provides.
+
+    Float inputs (float16/bfloat16/float32/float64) get ``scale * N(0, 1)`` values; integer inputs
+    get integers in ``[0, 4)``; bool inputs random booleans. A symbolic dim takes its value from
+    ``dim_values`` (over :data:`DEFAULT_DIM_VALUES`), an unnamed or unknown one ``default_dim``.
+    The same ``seed`` gives the same feeds. Inputs over ``max_bytes`` in all raise
+    :class:`FeedTooLargeError` before anything is allocated (:func:`feed_shapes`).
+    """
+    shapes = feed_shapes(model, dim_values, default_dim=default_dim, max_bytes=max_bytes)
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for name, (dtype, shape) in shapes.items():
+        if dtype in _FLOAT_DTYPES:
+            feeds[name] = (rng.standard_normal(shape) * scale).astype(dtype)
+        elif dtype.kind in "iu":
+            feeds[name] = rng.integers(0, 4, shape).astype(dtype)
+        else:
+            feeds[name] = rng.random(shape) < 0.5
     return feeds

@@ -7,8 +7,9 @@ run_reference`: ``onnx.reference`` plus the numpy oracles) and the **fused** mod
 evaluation path, and compares every graph output of the original:
 
 * ``"wgpu"``: :func:`onnx_moe_fuse.evaluator.run_wgpu`, fused nodes on the project's WebGPU
-  kernels, everything else in ``onnx.reference``. Skipped, with the reason, while a kernel
-  package the model needs is not installed.
+  kernels, the other com.microsoft ops a model may hold (``MatMulNBits``, the simplified layer
+  norms) in the reference path's numpy code, standard ops in ``onnx.reference``. Skipped, with
+  the reason, while a kernel package the model needs is not installed.
 * ``"ort"``: onnxruntime's CPU provider with graph optimisations disabled (ORT's optimiser
   rewrites DequantizeLinear + MatMul into MatMulNBits with int8 activations). Skipped, with the
   reason, where ORT has no CPU kernel for some node (``com.microsoft.MatMulNBitsQkv``,
@@ -25,6 +26,11 @@ with block-wise 8-bit QMoE (or QMoE/MatMulNBits with ``accuracy_level=4``) gets 
 :data:`ORT_INT8_ACTIVATION_RTOL`: ORT quantises activations to int8 there (measured 1-2%
 relative error); the report says so. A caller's ``rtol``/``atol`` replace these defaults on every
 path. Matching NaN/inf positions count as equal; any other non-finite difference fails.
+
+Before anything runs, the random inputs are sized (:func:`onnx_moe_fuse.reference.feed_shapes`):
+inputs over :data:`onnx_moe_fuse.reference.MAX_FEED_BYTES` in all raise
+:class:`onnx_moe_fuse.reference.FeedTooLargeError` (a ``ValueError`` naming the input, its shape
+and size), a bad-input error rather than a failed verification.
 
 A path fails when any output of any seed is out of tolerance, has another shape or dtype, is
 missing, or when the model cannot run there. The report is ``passed`` only when no path failed
@@ -47,12 +53,21 @@ import numpy as np
 import onnx
 import onnx_ir
 
+from onnx_moe_fuse.rewrites import ort_contract
+
 from .evaluator import describe_node, iter_nodes, missing_kernel_packages, wgpu_evaluator
 from .model_io import exceeds_protobuf_limit, load_model
-from .reference import DEFAULT_DIM_VALUES, random_feeds, run_reference
+from .reference import (
+    DEFAULT_DIM_VALUES,
+    FeedTooLargeError,
+    feed_shapes,
+    random_feeds,
+    run_reference,
+)
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "FeedTooLargeError",
     "ORT_INT8_ACTIVATION_RTOL",
     "PATHS",
     "OutputResult",
@@ -84,9 +99,13 @@ _FLOAT_DTYPES = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64
 _FLOAT_DTYPES.add(np.dtype(ml_dtypes.bfloat16))
 _MS = "com.microsoft"
 
-#: Ops for which ONNX Runtime's CPU provider has no kernel (measured with ORT 1.32).
+#: Ops for which ONNX Runtime's CPU provider has no kernel (measured with ORT 1.32): the fused
+#: ops the ort-cpu target lacks (:mod:`onnx_moe_fuse.rewrites.ort_contract`), and GroupedMatMul.
 ORT_NO_CPU_KERNEL: dict[tuple[str, str], str] = {
-    (_MS, "MatMulNBitsQkv"): "ORT has no CPU kernel for com.microsoft.MatMulNBitsQkv",
+    **{
+        (_MS, op): f"ORT has no CPU kernel for com.microsoft.{op}"
+        for op in sorted(set(ort_contract.SEMANTIC_ATTRIBUTES) - ort_contract.ops_for("ort-cpu"))
+    },
     ("", "GroupedMatMul"): (
         "ORT has no CPU kernel for GroupedMatMul (ONNX opset 29; ORT 1.32 refuses opset 29)"
     ),
@@ -478,6 +497,10 @@ def verify(
     Returns:
         A :class:`VerificationReport`; ``passed`` is False, with messages naming the path,
         output, seed and error, when anything disagrees or cannot run.
+
+    Raises:
+        FeedTooLargeError: the original's random inputs would take more than
+            :data:`onnx_moe_fuse.reference.MAX_FEED_BYTES` (checked before any work).
     """
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
@@ -487,6 +510,7 @@ def verify(
     original_p = load_model(original)
     fused_p = load_model(fused)
     dims = {**DEFAULT_DIM_VALUES, **(dim_values or {})}
+    feed_shapes(original_p, dims)  # FeedTooLargeError now, before kernels or sessions load
     results = {p: PathResult(p) for p in dict.fromkeys(paths)}
     messages: list[str] = []
     report = VerificationReport(

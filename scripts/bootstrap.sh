@@ -8,7 +8,9 @@
 # Mesa's Vulkan driver (lavapipe) through apt-get when wgpu finds no Vulkan or GPU adapter
 # (the OpenGL fallback lacks the subgroup and f16 features the kernels use); for tests, a
 # second venv .venv-weekly with onnx-weekly (opset 29's GroupedMatMul reference), kept
-# apart because onnxscript pins the released onnx.
+# apart because onnxscript pins the released onnx, and a third, .venv-webgpu, with
+# onnxruntime-webgpu 1.27 (the ort-webgpu target's package: it installs as `onnxruntime`, like
+# the CPU package in .venv), which tests/targets loads every model fused for ort-webgpu in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -65,6 +67,12 @@ if [ ! -x .venv-weekly/bin/python ]; then
 fi
 .venv-weekly/bin/python -m pip install -q onnx-weekly numpy
 export ONNX_WEEKLY_PYTHON="$PWD/.venv-weekly/bin/python"
+if [ ! -x .venv-webgpu/bin/python ]; then
+  echo "== creating .venv-webgpu (onnxruntime-webgpu, the ort-webgpu target's package)"
+  "$PYTHON" -m venv .venv-webgpu
+fi
+.venv-webgpu/bin/python -m pip install -q onnxruntime-webgpu==1.27.0 numpy onnx
+export ORT_WEBGPU_PYTHON="$PWD/.venv-webgpu/bin/python"
 echo "== ruff"
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "${@:2}"

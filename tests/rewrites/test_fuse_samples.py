@@ -23,6 +23,7 @@ from onnx_moe_fuse.passes import (
     fusion_pipeline,
 )
 from onnx_moe_fuse.reference import random_feeds, run_reference
+from onnx_moe_fuse.rewrites import ort_contract
 from onnx_moe_fuse.samples import Sample, all_samples, get_sample
 
 RTOL = 1e-4
@@ -85,18 +86,7 @@ def test_fuses_exactly_as_recorded(name: str) -> None:
         assert key in attrs, f"{name}: attribute {key} not written"
         assert_same_value(key, attrs[key], want)
         assert_same_value(key, fusion["attributes"][key], want)
-    expected_keys = {
-        "k",
-        "activation_type",
-        "normalize_routing_weights",
-        "use_sparse_mixer",
-        "swiglu_fusion",
-        "activation_alpha",
-        "activation_beta",
-        "swiglu_limit",
-    }
-    if node.op_type == "QMoE":
-        expected_keys |= {"expert_weight_bits", "block_size"}
+    expected_keys = ort_contract.attribute_names(node.op_type, ort_contract.DEFAULT_TARGET)
     assert set(attrs) == expected_keys, f"{name}: attributes {sorted(attrs)}"
     # ORT's input positions, "" for an absent optional input
     n_inputs = {"MoE": (4, 6), "QMoE": (7, 8)}[node.op_type]

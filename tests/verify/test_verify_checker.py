@@ -285,3 +285,79 @@ def test_ort_is_skipped_where_it_has_no_cpu_kernel() -> None:
     reason = ort_unsupported_reason(model)
     assert reason == "ORT has no CPU kernel for com.microsoft.MatMulNBitsQkv"
     assert ort_unsupported_reason(get_sample("mixtral_dec_f32").model) is None
+
+
+# -- models the fuser leaves com.microsoft ops in; inputs too large to make -------------------
+
+
+def _with_matmul_nbits(sample: Sample, rng: np.random.Generator) -> onnx.ModelProto:
+    """``sample``'s layer, then ``z = MatMulNBits(y)`` (what ORT's MatMulNBitsQuantizer writes)."""
+    from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
+
+    model = onnx.ModelProto()
+    model.CopyFrom(sample.model)
+    hidden = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
+    b, scales = quantize_matmul_nbits(rng.standard_normal((48, hidden)) * 0.2, 4, 32)
+    model.graph.initializer.extend(
+        [numpy_helper.from_array(b, "proj_B"), numpy_helper.from_array(scales, "proj_scales")]
+    )
+    model.graph.node.append(
+        helper.make_node(
+            "MatMulNBits",
+            ["y", "proj_B", "proj_scales"],
+            ["z"],
+            name="/proj/MatMul_Q4",
+            domain=_MS,
+            K=hidden,
+            N=48,
+            bits=4,
+            block_size=32,
+            accuracy_level=0,
+        )
+    )
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(model.graph.output[0])
+    out.name = "z"
+    out.type.tensor_type.shape.dim[-1].dim_value = 48
+    model.graph.output.append(out)
+    model.opset_import.append(helper.make_opsetid(_MS, 1))
+    return model
+
+
+def test_a_model_with_unfused_matmul_nbits_verifies_on_every_path(device, rng, tmp_path):
+    from onnx_moe_fuse.cli import main
+    from onnx_moe_fuse.passes import FusionReport, fusion_pipeline
+
+    original = _with_matmul_nbits(get_sample("mixtral_dec_int4b32"), rng)
+    model = onnx_ir.serde.deserialize_model(original)
+    report = FusionReport()
+    fusion_pipeline(report)(model)
+    fused = onnx_ir.serde.serialize_model(model)
+    assert [f["op"] for f in report.fusions] == ["QMoE"]
+    assert [n.op_type for n in fused.graph.node if n.domain == _MS] == ["QMoE", "MatMulNBits"]
+    result = verify(original, fused, seeds=_seeds(rng, 1))
+    assert result.passed, result.summary()
+    assert {p.status for p in result.paths.values()} == {"passed"}, result.summary()
+    path = tmp_path / "quantized.onnx"
+    onnx.save(original, path)
+    assert main([str(path), "-o", str(tmp_path / "fused.onnx"), "--verify"]) == 0
+
+
+def test_random_inputs_over_the_limit_are_refused_before_they_are_made():
+    from onnx_moe_fuse.errors import MoEFuseError
+    from onnx_moe_fuse.reference import MAX_FEED_BYTES, FeedTooLargeError, random_feeds
+
+    x = helper.make_tensor_value_info("tokens", onnx.TensorProto.FLOAT, [100_000_000, 64])
+    y = helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [100_000_000, 64])
+    model = make_model([helper.make_node("Relu", ["tokens"], ["out"])], [x], [y])
+    with pytest.raises(FeedTooLargeError, match=r"input 'tokens' of shape \[100000000, 64\]") as e:
+        verify(model, model, seeds=(0,))
+    assert "25.6 GB" in str(e.value) and e.value.input_name == "tokens"
+    assert isinstance(e.value, ValueError) and isinstance(e.value, MoEFuseError)
+    assert e.value.nbytes == 100_000_000 * 64 * 4
+    small = helper.make_tensor_value_info("tokens", onnx.TensorProto.FLOAT, [1024, 64])
+    model = make_model([helper.make_node("Relu", ["tokens"], ["out"])], [small], [y])
+    assert random_feeds(model, 0)["tokens"].shape == (1024, 64)
+    with pytest.raises(FeedTooLargeError):
+        random_feeds(model, 0, max_bytes=1024 * 64 * 4 - 1)
+    assert MAX_FEED_BYTES == 256 * 2**20

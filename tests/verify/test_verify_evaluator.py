@@ -255,3 +255,47 @@ def test_matmul_nbits_qkv_bias_is_refused_unless_declared(rng) -> None:
     declared = ["aT", "skipT", "normScaleT", "qBT", "qScalesT", "kBT", "kScalesT", "vBT"]
     with pytest.raises(UnsupportedNodeError, match=r"'qkv0': input 5 q_bias.*a Q bias"):
         bind_node(MATMUL_NBITS_QKV, node, values, {}, [*declared, "vScalesT"])
+
+
+def test_unfused_com_microsoft_ops_run_on_the_wgpu_path_as_on_the_reference(rng) -> None:
+    """MatMulNBits and the simplified norms have no kernel package: the reference code runs them.
+
+    No device is needed: the model holds no kernel op. Checked against the oracles (independent
+    numpy code) and against the reference path.
+    """
+    from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits, rms_norm
+    from onnx_moe_fuse.ort_nodes import make_model
+
+    assert {c.__name__ for c in evaluator.REFERENCE_OP_CLASSES} == {
+        "MatMulNBits",
+        "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+    }
+    w = _qkv_weights(rng)
+    nodes = [
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization", ["a", "skip", "gamma"], ["normed", "", "", "sum"],
+            domain="com.microsoft", epsilon=1e-6,
+        ),
+        helper.make_node(
+            "SimplifiedLayerNormalization", ["sum", "gamma"], ["normed2"], axis=-1, epsilon=1e-6
+        ),
+        helper.make_node(
+            "MatMulNBits", ["normed", "qb", "qs"], ["q"], domain="com.microsoft", K=64, N=32, bits=4,
+            block_size=32,
+        ),
+    ]  # fmt: skip
+    inputs = [helper.make_tensor_value_info(n, _F32, [5, 64]) for n in ("a", "skip")]
+    outputs = [helper.make_tensor_value_info(n, _F32, None) for n in ("q", "normed2")]
+    inits = [onnx.numpy_helper.from_array(w[k], k) for k in ("gamma", "qb", "qs")]
+    model = make_model(nodes, inputs, outputs, inits)
+    feeds = {k: rng.standard_normal((5, 64)).astype(np.float32) for k in ("a", "skip")}
+    got = run_wgpu(model, feeds)
+    ref = run_reference(model, feeds)
+    for name in ("q", "normed2"):
+        np.testing.assert_array_equal(got[name], ref[name])
+    normed, total = rms_norm(feeds["a"], w["gamma"], 1e-6, feeds["skip"])
+    normed2, _ = rms_norm(total, w["gamma"], 1e-6)
+    want_q = matmul_nbits(normed, w["qb"], w["qs"], bits=4, block_size=32)
+    assert nonzero_rel_err(got["q"], want_q) <= RTOL
+    assert nonzero_rel_err(got["normed2"], normed2) <= RTOL

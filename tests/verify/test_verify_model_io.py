@@ -204,3 +204,71 @@ def test_unloaded_proto_needs_its_folder(tmp_path: Path, rng) -> None:
     # save_model_atomic reads it from next to input_path.
     written = save_model_atomic(header, tmp_path / "out.onnx", input_path=src)
     assert [p.name for p in written] == ["out.onnx.data", "out.onnx"]
+
+
+def test_errors_are_typed_and_keep_their_old_names(tmp_path: Path, rng) -> None:
+    from onnx_moe_fuse import errors
+
+    assert model_io.ModelLoadError is errors.ModelLoadError
+    assert model_io.InputOverwriteError is errors.InputOverwriteError
+    assert issubclass(errors.InputOverwriteError, (OSError, ValueError, errors.MoEFuseError))
+    assert issubclass(errors.ModelNotFoundError, FileNotFoundError)
+    src = tmp_path / "m.onnx"
+    onnx.save_model(_model(rng), src)
+    with pytest.raises(errors.OutputPathError, match="does not exist"):
+        save_model_atomic(_model(rng), tmp_path / "nope" / "o.onnx")
+    with pytest.raises(errors.OutputPathError, match="is a folder"):
+        save_model_atomic(_model(rng), tmp_path)
+    assert list(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_external_data_is_found_as_ort_finds_it(tmp_path: Path, rng) -> None:
+    original = _model(rng)
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "r1"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    _save_external(original, blobs / "model.onnx", location="model.onnx.data")
+    os.rename(blobs / "model.onnx", blobs / "aa")
+    os.rename(blobs / "model.onnx.data", blobs / "bb")
+    os.symlink("../../blobs/aa", snap / "model.onnx")
+    os.symlink("../../blobs/bb", snap / "model.onnx.data")
+    loaded = load_model(snap / "model.onnx")  # onnx.load refuses these links
+    np.testing.assert_array_equal(_arrays(loaded)["w"], _arrays(original)["w"])
+    assert model_io.external_data_files(snap / "model.onnx") == [blobs / "bb"]
+    header = model_io.check_model_file(snap / "model.onnx")
+    assert uses_external_data(header)
+
+    # A link inside the folder that leads out of it is refused, naming tensor and location.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    _save_external(original, folder / "m.onnx", location="m.data")
+    os.rename(folder / "m.data", outside / "m.data")
+    os.symlink(outside / "m.data", folder / "m.data")
+    with pytest.raises(model_io.ExternalDataError, match=r"tensor 'w'.*'m\.data'.*outside"):
+        load_model(folder / "m.onnx")
+
+
+def test_sizes_are_checked_before_reading(tmp_path: Path, rng) -> None:
+    src = tmp_path / "m.onnx"
+    _save_external(_model(rng), src)
+    header = onnx.load_model(str(src), load_external_data=False)
+    w = next(t for t in header.graph.initializer if t.name == "w")
+    w.dims[0] = 10**12  # absurd: the file holds 8 KiB
+    for entry in w.external_data:
+        if entry.key == "length":
+            w.external_data.remove(entry)
+            break
+    src.write_bytes(header.SerializeToString())
+    with pytest.raises(model_io.ExternalDataError, match=r"tensor 'w'.*file holds 8192 bytes"):
+        load_model(src)
+
+
+def test_written_files_get_the_umask_mode(tmp_path: Path, rng) -> None:
+    old = os.umask(0o027)
+    try:
+        written = save_model_atomic(_model(rng), tmp_path / "o.onnx", external_data=True)
+    finally:
+        os.umask(old)
+    assert [os.stat(p).st_mode & 0o777 for p in written] == [0o640, 0o640]
