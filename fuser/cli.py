@@ -244,6 +244,8 @@ def _fuse_command(args: argparse.Namespace) -> int:
             raise OptionError("give the output path with -o OUT.onnx", option="-o")
         input_path = Path(args.input)
     _check_paths(args, input_path)
+    if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
+        return _fuse_streaming(args, input_path, only, target)
     if args.demo:
         from .samples import default_sample
 
@@ -290,6 +292,29 @@ def _fuse_command(args: argparse.Namespace) -> int:
     if args.output:
         written = save_model_atomic(result.model, args.output, input_path=input_path)
         print("wrote " + ", ".join(str(p) for p in written))
+    if args.report:
+        write_json_atomic(args.report, report)
+        print(f"wrote {args.report}")
+    return EXIT_OK
+
+
+def _fuse_streaming(
+    args: argparse.Namespace, input_path: Path, only: set[str] | None, target: str
+) -> int:
+    """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
+    from .streaming_io import fuse_file
+
+    result = fuse_file(input_path, args.output, only=only, target=target)
+    report: dict[str, Any] = {
+        "input": str(input_path),
+        "output": args.output,
+        "target": target,
+        **result.report.to_dict(),
+    }
+    _print_fusions(report, target)
+    if args.explain:
+        _print_near_misses(report)
+    print("wrote " + ", ".join(str(p) for p in result.written))
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote {args.report}")

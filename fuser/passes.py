@@ -54,6 +54,8 @@ from onnx_moe_fuse.rewrites import matmul_nbits_qkv as qkv
 from onnx_moe_fuse.rewrites import ort_contract
 from onnx_moe_fuse.rewrites._moe_analysis import PARTS
 from onnx_moe_fuse.rewrites._moe_rule import LAYER_OUT_KEY, TOPK_KEY
+from onnx_moe_fuse.rewrites.canonical.dense_experts import DenseRefusal, dense_refusal_for
+from onnx_moe_fuse.rewrites.canonical.loop_experts import loop_refusal_for
 from onnx_moe_fuse.rewrites.canonical.sorted_experts import sorted_refusal_for
 from onnx_moe_fuse.rewrites.moe_layer import (
     FUSED_OPS,
@@ -62,6 +64,7 @@ from onnx_moe_fuse.rewrites.moe_layer import (
     moe_layer_rule_set,
 )
 from onnx_moe_fuse.rewrites.routers import classify_router, router_near_miss
+from onnx_moe_fuse.rewrites.weight_sink import WeightSink
 from onnx_moe_fuse.splice import SpliceRefusal, splice_fused_node, tag_origin
 
 #: Every op the pipeline can emit.
@@ -276,6 +279,12 @@ _ONE_HOT_UNRECOGNISED = (
     "so the layer is left as it is"
 )
 
+_DENSE_UNRECOGNISED = (
+    "not recognised: the experts are weighted by this TopK's values scattered into dense [T, E] "
+    "routing weights (a dense all-experts form), and the dense-experts canonicalisation could "
+    "not prove it equal to the selected experts, so the layer is left as it is"
+)
+
 
 def _sorts_expert_ids(topk: ir.Node) -> bool:
     """True for a TopK that sorts another TopK's indices ascending (an argsort, not a router)."""
@@ -381,7 +390,18 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
         if detail is None:
             return _SORTED_UNRECOGNISED
         return f"{_SORTED_UNRECOGNISED}; the sorted-experts pass: {detail}"
+    if "ScatterElements" in uses and not selects:
+        # ids scattered into dense [T, E] weights (gpt-oss's router): the dense-experts pass
+        # left the layer, its refusal says which part it could not read
+        # (only a recognised layer: DeepSeek's group selection scatters ids into a group mask)
+        dense = dense_refusal_for(topk)
+        if dense is not None and dense.recognised:
+            return f"{_DENSE_UNRECOGNISED}; the dense-experts pass: {dense.part}: {dense.reason}"
     if uses & {"OneHot", "Equal"}:
+        # the expert-loop pass left this layer: its proof says which link it could not show
+        detail = loop_refusal_for(topk)
+        if detail is not None:
+            return f"{_ONE_HOT_UNRECOGNISED}; the expert-loop pass: {detail}"
         return _ONE_HOT_UNRECOGNISED
     if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:
         return _GENERIC_UNRECOGNISED
@@ -463,9 +483,11 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         report: FusionReport | None = None,
         only: Iterable[str] | None = None,
         target: str = ort_contract.DEFAULT_TARGET,
+        weight_sink: WeightSink | None = None,
     ):
-        """Set up the pass; ``report`` receives what it did."""
+        """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
         super().__init__()
+        self.weight_sink = weight_sink
         self.emit = _emitted(only) & FUSED_OPS
         self.target = ort_contract.check_target(target)
         self.report = report if report is not None else FusionReport()
@@ -484,7 +506,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
 
         tracer = NearMissTracer()
         moe_layer_rule_set(self.emit, probe=True, splice=True).apply_to_model(work, tracer=tracer)
-        moe_layer_rule_set(self.emit, splice=True).apply_to_model(work)
+        rules = moe_layer_rule_set(self.emit, splice=True, weight_sink=self.weight_sink)
+        rules.apply_to_model(work)
 
         spliced = 0
         fused_roots: set[str] = set()
@@ -581,6 +604,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             if node.outputs[0].name in fused_topks:
                 continue
             reason = _unrecognised_reason(node)
+            dense = _recognised_dense(node, reason)
+            if dense is not None:
+                reason = dense.reason  # the pass recognised the layer: its refusal names the part
             if reason is not None:
                 # the Softmax/Sigmoid of the router (before or after the TopK), else what it reads
                 router = classify_router(node).scores
@@ -592,15 +618,28 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 self.report.near_misses.append(
                     _near_miss(
                         rule=None,
-                        part=None,
-                        node=_label(node),
+                        part=dense.part if dense is not None else None,
+                        node=dense.node if dense is not None else _label(node),
                         reason=reason,
                         root=None,
                         topk=_label(node),
                         router=_label(router),
-                        values=[],
+                        values=list(dense.values) if dense is not None else [],
                     )
                 )
+
+
+def _recognised_dense(topk: ir.Node, reason: str | None) -> DenseRefusal | None:
+    """The dense-experts pass's refusal of a dense layer it recognised, where it explains more.
+
+    For the dense messages (one-hot or scattered ids) only: the pass read this TopK's mask, so
+    the layer is a dense MoE, and its refusal names the part, node and reason (a TopK over
+    another axis, a router over other rows, weights that are graph inputs).
+    """
+    if reason is not None and not reason.startswith((_ONE_HOT_UNRECOGNISED, _DENSE_UNRECOGNISED)):
+        return None
+    dense = dense_refusal_for(topk)
+    return dense if dense is not None and dense.recognised else None
 
 
 def _shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
@@ -661,9 +700,11 @@ class FuseQkvPass(ir.passes.InPlacePass):
         report: FusionReport | None = None,
         only: Iterable[str] | None = None,
         target: str = ort_contract.DEFAULT_TARGET,
+        weight_sink: WeightSink | None = None,
     ):
-        """Set up the pass; ``report`` receives what it did."""
+        """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
         super().__init__()
+        self.weight_sink = weight_sink
         self.enabled = qkv.FUSED_OP in _emitted(only)
         self.target = ort_contract.check_target(target)
         self.report = report if report is not None else FusionReport()
@@ -679,7 +720,7 @@ class FuseQkvPass(ir.passes.InPlacePass):
         reason = ort_contract.refusal(qkv.FUSED_OP, None, self.target)
         count = 0
         if reason is None:
-            count = qkv.rules().apply_to_model(model)
+            count = qkv.rules(self.weight_sink).apply_to_model(model)
             _restore_names(names)
             _restore_untyped(untyped)
             for node in _fused_nodes(model.graph):
@@ -709,7 +750,7 @@ class FuseQkvPass(ir.passes.InPlacePass):
         """A near miss for every prelude that would fuse; ``model`` is not changed."""
         tensor_names = _shared_tensor_names(model.graph)
         work = model.clone()
-        qkv.rules().apply_to_model(work)
+        qkv.rules(self.weight_sink).apply_to_model(work)  # spilled, not kept: memory stays flat
         for node in _fused_nodes(work.graph):
             if node.op_type != qkv.FUSED_OP:
                 continue
@@ -899,8 +940,12 @@ def fusion_pipeline(
     report: FusionReport | None = None,
     only: Iterable[str] | None = None,
     target: str = ort_contract.DEFAULT_TARGET,
+    weight_sink: WeightSink | None = None,
 ) -> ir.passes.PassManager:
     """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results.
+
+    ``weight_sink`` receives every repacked weight (:mod:`onnx_moe_fuse.weight_sink`; default in
+    memory): the command line's streaming path spills them to a scratch file.
 
     ``only`` names the ops that may be emitted (default: all of :data:`ALL_FUSED_OPS`);
     ``target`` (one of :data:`onnx_moe_fuse.rewrites.ort_contract.TARGETS`, default
@@ -911,8 +956,8 @@ def fusion_pipeline(
     report.target = ort_contract.check_target(target)
     return ir.passes.PassManager(
         [
-            FuseMoELayersPass(report, only, target),
-            FuseQkvPass(report, only, target),
+            FuseMoELayersPass(report, only, target, weight_sink),
+            FuseQkvPass(report, only, target, weight_sink),
             RemoveDeadCodePass(report),
             LowerOpsetPass(report, target),
             FusedNodesCheckPass(target),

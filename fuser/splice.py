@@ -171,7 +171,34 @@ def _region(
             raise SpliceRefusal(
                 f"the fused node reads '{v.name}', which the layer in the model does not", v.name
             )
+    _add_shape_feeders(g, region)
     return g, region
+
+
+def _add_shape_feeders(g: nx.DiGraph, region: dict[int, ir.Node]) -> None:
+    """Take into the region each node that reads it and feeds only its ``Shape``/``Size`` reads.
+
+    The walk above stops at what a ``Shape`` reads, so a node between a region value and such a
+    read (the TorchScript expert loop's ``Shape(Slice(acc, rows 0:1))``, which sizes an Expand
+    of the next expert's rows) is outside the region while it reads it: it would count as an
+    escape, yet it is dead once the region is gone.
+    """
+
+    def read_only_by_region_shapes(v: ir.Value) -> bool:
+        users = [u for u, _ in v.uses()]
+        shapes = all(id(u) in region and u.op_type in ("Shape", "Size") for u in users)
+        return bool(users) and shapes and not v.is_graph_output()
+
+    for node in list(region.values()):
+        for out in node.outputs:
+            for user, _ in out.uses():
+                if id(user) in region or not user.outputs:
+                    continue
+                if all(read_only_by_region_shapes(o) for o in user.outputs):
+                    region[id(user)] = user
+                    g.add_edge(("n", id(node)), ("n", id(user)))
+                    for o in user.outputs:
+                        g.add_edges_from((("n", id(user)), ("n", id(u))) for u, _ in o.uses())
 
 
 def _kept(

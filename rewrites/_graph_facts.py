@@ -20,6 +20,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import _basics
 
+from .tensor_reads import read_array
+
 __all__ = [
     "Refusal",
     "label",
@@ -100,7 +102,7 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
             return None
         tensor = attr.value
     try:
-        return tensor.numpy()
+        return read_array(tensor)  # an external tensor is left unmapped: nothing kept per layer
     except Exception:  # external data that cannot be read, unsupported dtype
         return None
 

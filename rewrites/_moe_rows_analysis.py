@@ -18,7 +18,7 @@ the routing form (:func:`~._moe_analysis.routing_form`), the weights and biases
 (:func:`~._moe_analysis.expert_weights`, which reads ``[E, N, K]`` weights as their K-major
 transpose), sizes, activation, target and escapes (:func:`~._moe_analysis.finish_layer`).
 Like :func:`~._moe_analysis.analyse_layer`, it is a pure function of the graph and the bindings
-and raises :class:`~._moe_analysis.Refusal` with a plain-words reason.
+and raises a :class:`~.parts.facts.PartFailure` with a plain-words reason.
 
 The token count ``T`` is a symbol (the proofs hold for every ``T``) unless the graph fixes it
 (a static export: the tokens, router scores or top-k values have a concrete first dim); then it
@@ -51,9 +51,11 @@ from ._moe_analysis import (
     ExpertWeights,
     LayerPlan,
     bound_node,
+    combine_step,
     expert_bias,
     expert_weights,
     finish_layer,
+    part,
     refuse,
     routing_form,
     with_bias,
@@ -137,36 +139,58 @@ def _rows_rank(b: Mapping[str, Any]) -> None:
 
 
 def _token_rows(b: Mapping[str, Any], t: Dim, k: int, hidden: int) -> None:
-    """``rows = Reshape(Expand|Tile(Unsqueeze(x, [1]), ...), [-1, H])``: each token k times."""
+    """``rows = Reshape(Expand|Tile(Unsqueeze(x, [1]), ...), [-1, H])``: each token k times.
+
+    With k = 1 the repeat is a no-op that canonicalisation drops: ``Reshape(Unsqueeze(x))``.
+    """
     h = Dim.of(hidden)
     # a static export writes the token count into the Expand shape: [T, k, H] with T = 8
     token_sizes = (1,) if t.syms else (1, t.coef)
     unsq = _require(b, "token_repeat_unsq")
     _axes_are(unsq, 3, [1], "add the slot axis to the tokens [T, H] -> [T, 1, H]")
-    repeat = _require(b, "token_repeat")
-    values = const_ints(repeat.inputs[1]) if len(repeat.inputs) > 1 else None
-    if repeat.op_type == "Tile":
-        ok = values == [1, k, 1]
-    else:  # Expand: broadcast [T, 1, H] against the (right-aligned) shape
-        padded = None if values is None or len(values) > 3 else [1] * (3 - len(values)) + values
-        ok = padded is not None and padded[0] in token_sizes and padded[1] == k
-        ok = ok and padded[2] in (1, hidden)
-    if not ok:
-        raise refuse(
-            f"{repeat.op_type} '{label(repeat)}' ({values}) does not repeat each token exactly "
-            f"k = {k} times (T = {t} tokens [T, 1, H])",
-            repeat,
-        )
+    repeat = bound_node(b, "token_repeat")
+    if repeat is None:
+        if k != 1:
+            raise refuse(
+                f"the token rows '{value_label(b.get('token_rows'))}' are the tokens once each, "
+                f"not repeated over the k = {k} slots",
+                _require(b, "token_rows"),
+            )
+    else:
+        values = const_ints(repeat.inputs[1]) if len(repeat.inputs) > 1 else None
+        if repeat.op_type == "Tile":
+            ok = values == [1, k, 1]
+        else:  # Expand: broadcast [T, 1, H] against the (right-aligned) shape
+            padded = None if values is None or len(values) > 3 else [1] * (3 - len(values)) + values
+            ok = padded is not None and padded[0] in token_sizes and padded[1] == k
+            ok = ok and padded[2] in (1, hidden)
+        if not ok:
+            raise refuse(
+                f"{repeat.op_type} '{label(repeat)}' ({values}) does not repeat each token exactly "
+                f"k = {k} times (T = {t} tokens [T, 1, H])",
+                repeat,
+            )
     _reshape_to(
         _require(b, "token_rows"), [t, Dim.of(k), h], [t * Dim.of(k), h], "flatten [T, k, H]"
     )
 
 
-def _expert_ids(b: Mapping[str, Any], t: Dim, k: int) -> None:
+def _expert_ids(
+    b: Mapping[str, Any], tag: str, role: str, t: Dim, k: int, topk_idx: ir.Value
+) -> None:
     """``ids = Unsqueeze(Reshape(topk_indices, [-1]), [-1])``: ``[T*k, 1]`` in row order."""
-    flat = _require(b, "expert_ids_flat")
+    idx = b.get(f"{tag}_indices")
+    if idx is not topk_idx:
+        raise refuse(
+            f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
+            f"'{value_label(topk_idx)}'",
+            idx,
+        )
+    flat = _require(b, f"{tag}_expert_ids_flat")
     _reshape_to(flat, [t, Dim.of(k)], [t * Dim.of(k)], "flatten the top-k ids [T, k]")
-    _axes_are(_require(b, "expert_ids"), 2, [1], "make the flat ids [T*k, 1] GatherND indices")
+    _axes_are(
+        _require(b, f"{tag}_expert_ids"), 2, [1], "make the flat ids [T*k, 1] GatherND indices"
+    )
 
 
 # -- projections -------------------------------------------------------------------------------
@@ -181,9 +205,12 @@ def _gather_nd(node: ir.Node, role: str) -> None:
         )
 
 
-def _row_expert(b: Mapping[str, Any], tag: str, role: str, t: Dim, k: int) -> ExpertWeights:
+def _row_expert(
+    b: Mapping[str, Any], tag: str, role: str, t: Dim, k: int, topk_idx: ir.Value
+) -> ExpertWeights:
     """Prove one projection ``[T*k, K] -> [T*k, N]`` of the rows' experts; its weights."""
     rows = t * Dim.of(k)
+    _expert_ids(b, tag, role, t, k, topk_idx)
     gather = _require(b, f"{tag}_gather")
     _gather_nd(gather, role)
     layout = b.get(f"{tag}_layout")
@@ -245,25 +272,45 @@ def analyse_rows_layer(
     emit: frozenset[str],
     matched: Collection[ir.Node] | None = None,
     opset: int | None = None,
+    combine: str = "reshape_reduce_sum",
 ) -> LayerPlan:
-    """Prove that a matched flattened-rows layer equals one fused node; raise otherwise.
+    """Prove that a recognised flattened-rows layer equals one fused node; raise otherwise.
 
-    Arguments as :func:`~._moe_analysis.analyse_layer` (there is one combine spelling). The
-    tokens must be ``[T, H]`` (rank 2) and so is the fused node's input.
+    Arguments as :func:`~._moe_analysis.analyse_layer`. ``combine`` is ``reshape_reduce_sum``
+    (the weighted rows un-flattened and summed) or a slot combine of FC2's rows un-flattened
+    into ``[T, k, H]`` slots (bound ``fc2_slots``). The tokens must be ``[T, H]`` (rank 2) and
+    so is the fused node's input.
     """
     root = b["layer_out"].producer()
     graph = root.graph if root is not None else None
     opset = opset if opset is not None else default_opset(graph)
-    _rows_rank(b)
+    with part("tokens"):
+        _rows_rank(b)
     routing = routing_form(b, 2, opset)
     k = routing.k
     t = _token_count(b)
-    _expert_ids(b, t, k)
-    fc1 = tuple(_row_expert(b, tag, role, t, k) for tag, role in FC1_PROJECTIONS[family])
-    fc2 = _row_expert(b, "fc2", "FC2", t, k)
+    topk_idx = routing.topk.outputs[1]
+    with part("fc1"):
+        fc1 = tuple(
+            _row_expert(b, tag, role, t, k, topk_idx) for tag, role in FC1_PROJECTIONS[family]
+        )
+    with part("fc2"):
+        fc2 = _row_expert(b, "fc2", "FC2", t, k, topk_idx)
     hidden = fc2.shape[2]
-    _token_rows(b, t, k, hidden)
-    _combine(b, t, k, hidden)
+    with part("fc1"):
+        _token_rows(b, t, k, hidden)
+    with part("combine"):
+        if combine == "reshape_reduce_sum":
+            _combine(b, t, k, hidden)
+        else:
+            kd, h = Dim.of(k), Dim.of(hidden)
+            _reshape_to(
+                _require(b, "fc2_slots"),
+                [t * kd, h],
+                [t, kd, h],
+                "restore the [T, k, H] slots of FC2's rows",
+            )
+            combine_step(b, 2, combine, hidden)
     return finish_layer(
         b,
         family=family,

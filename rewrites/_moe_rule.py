@@ -1,33 +1,42 @@
-"""What every MoE layer rule shares: the routing and activation pattern pieces, the base rule.
+"""The base of the MoE layer rules: a small combine pattern, part recognisers, the proofs.
 
-The layer rules come in two layouts, one module each, and differ only in how the experts'
-projections and the combine are spelled (and so in the pattern around the activation and in the
-proofs of those parts):
+A layer rule's pattern is the combine that ends the layer (:mod:`.parts.combine`, one form per
+rule instance) weighted by the values of a routing TopK (:func:`.parts.routing.routing_pattern`):
+the few nodes that anchor a layer at its TopK and keep the rule from firing on sums that are no
+MoE. Everything between the TopK and the combine's expert output is recognised part by part in
+``check`` (:func:`.parts.layer.recognise_layer`: routing, FC2, activation, FC1), and the
+recognised :class:`~.parts.facts.LayerParts` is proved by the layout's proof
+(:func:`~._moe_analysis.analyse_layer` for per-slot projections,
+:func:`~._moe_rows_analysis.analyse_rows_layer` for flattened rows) into a
+:class:`~._moe_analysis.LayerPlan`, or refused with a :class:`~.parts.facts.PartFailure` whose
+``"part: reason"`` text is the ``MatchResult`` failure. ``rewrite`` recognises and proves again
+(nothing is kept on the rule) and emits the fused node from the plan.
 
-* :mod:`.moe_layer`: projections per slot, ``[*, k, N]`` (GroupedMatMul or Gather + MatMul);
-* :mod:`.moe_layer_batched`: projections on flattened ``[T*k, N]`` rows (torch.onnx exports of
-  transformers' ``batched_mm`` experts: GatherND of stacked weights by flattened top-k ids).
-
-Everything else is here, once: the routing TopK and its weight forms (:func:`routing_pattern`),
-the activation of each family (:func:`activation_pattern`: separate gate/up experts, one FC1 cut
-into gate and linear operands, or an element-wise activation), and :class:`MoELayerRule`, whose
-``check`` turns the layout's proof (a :class:`~._moe_analysis.LayerPlan` or a refusal) into a
-``MatchResult`` and whose ``rewrite`` emits the fused node from the plan.
+The concrete rules (:mod:`.moe_layer`, :mod:`.moe_layer_batched`) give an activation ``family``
+and their combine forms: a rule recognises a layer of any family and fuses only its own, so a
+layer's near misses are the same whichever rule reports them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from ._moe_analysis import LayerPlan, Refusal, refusal_part
+from ._moe_analysis import LayerPlan, Refusal, analyse_layer, refusal_part
 from ._moe_emit import fused_arrays
+from ._moe_rows_analysis import analyse_rows_layer
+from .parts.activation import FAMILIES
+from .parts.combine import combine_pattern
+from .parts.facts import LayerParts, failure
+from .parts.layer import escaping_value, recognise_layer
+from .parts.routing import routing_pattern
+from .weight_sink import WeightSink, in_memory
 
 __all__ = [
     "FAMILIES",
@@ -37,7 +46,7 @@ __all__ = [
     "REPLACED_KEY",
     "TOPK_KEY",
     "MoELayerRule",
-    "activation_pattern",
+    "prove_layer",
     "routing_pattern",
     "var",
 ]
@@ -50,139 +59,11 @@ REPLACED_KEY = "onnx_moe_fuse.replaced"
 LAYER_OUT_KEY = "onnx_moe_fuse.layer_out"
 TOPK_KEY = "onnx_moe_fuse.topk"
 MS_DOMAIN = "com.microsoft"
-#: The activation families (see :func:`activation_pattern`).
-FAMILIES = ("gated", "fused_gated", "elementwise")
 
 
 def var(name: str, optional: bool = False) -> pattern.Var:
     """A pattern variable; ``optional`` ones also match an absent (empty) input."""
     return pattern.Var(name, can_match_none=optional)
-
-
-def routing_pattern(op) -> tuple[Any, Any]:
-    """``TopK(scores, k)``: (the routing weights made from its values, its indices).
-
-    The weights are renormalised (``Div(v, ReduceSum(v))``, ``Mul(v, Reciprocal(ReduceSum(v)))``),
-    a ``Softmax`` over the k values, or the values as they are; whether ``scores`` is a
-    ``Softmax`` of the logits is decided in ``check``.
-    """
-    values, indices = op.TopK(
-        var("router_scores"), var("topk_k"), _outputs=["topk_values", "topk_indices"]
-    )
-    total = op.ReduceSum(values, var("renorm_axes", True), _outputs=["renorm_sum"])
-    weights = pattern.OrValue(
-        [
-            op.Div(values, total),
-            op.Mul(values, op.Reciprocal(total)),
-            op.Mul(op.Reciprocal(total), values),
-            op.Softmax(values),
-            values,
-        ],
-        name="routing_weights",
-        tag_var="weight_form",
-        tag_values=["renorm_div", "renorm_reciprocal", "renorm_reciprocal", "softmax_k", "as_is"],
-    )
-    return weights, indices
-
-
-def _swiglu(op, gate_src, linear_src) -> Any:
-    """``gate * Sigmoid(alpha * gate) * (linear + beta)``, each operand optionally clipped."""
-    gate = pattern.OrValue(
-        [op.Clip(gate_src, var("gate_clip_min", True), var("gate_clip_max", True)), gate_src],
-        name="swiglu_gate",
-    )
-    linear = pattern.OrValue(
-        [
-            op.Clip(linear_src, var("linear_clip_min", True), var("linear_clip_max", True)),
-            linear_src,
-        ],
-        name="swiglu_linear",
-    )
-    alpha = var("swiglu_alpha")
-    sig = op.Sigmoid(
-        pattern.OrValue(
-            [op.Mul(gate, alpha), op.Mul(alpha, gate), gate],
-            tag_var="alpha_form",
-            tag_values=["scaled", "scaled", "plain"],
-        )
-    )
-    glu = pattern.OrValue([op.Mul(gate, sig), op.Mul(sig, gate)])
-    beta = var("swiglu_beta")
-    shifted = pattern.OrValue(
-        [op.Add(linear, beta), op.Add(beta, linear), linear],
-        tag_var="beta_form",
-        tag_values=["shifted", "shifted", "plain"],
-    )
-    return pattern.OrValue([op.Mul(shifted, glu), op.Mul(glu, shifted)], name="act")
-
-
-def _cut_swiglu(op, fc1) -> Any:
-    """SwiGLU of one FC1 cut into gate and linear operands (Slice halves/strided, or Split)."""
-    h = fc1("fc1")  # bound as "fc1_out"
-    first, second = op.Split(h, var("split_sizes", True), _outputs=2)
-
-    def operand(name: str, prefix: str) -> Any:
-        cut = op.Slice(
-            h,
-            var(f"{prefix}_starts"),
-            var(f"{prefix}_ends"),
-            var(f"{prefix}_axes", True),
-            var(f"{prefix}_steps", True),
-        )
-        return pattern.OrValue([cut, first, second], name=name)
-
-    return _swiglu(
-        op, operand("swiglu_gate_src", "gate_slice"), operand("swiglu_linear_src", "lin_slice")
-    )
-
-
-def _elementwise(op, fc1) -> Any:
-    """Relu, tanh Gelu, SiLU, identity, and the exact-GELU spellings ``check`` must refuse."""
-    h = fc1("fc1")  # bound as "fc1_out"
-    erf = op.Erf(pattern.OrValue([op.Div(h, var("erf_div")), op.Mul(h, var("erf_scale"))]))
-    one_plus = pattern.OrValue([op.Add(erf, var("erf_one")), op.Add(var("erf_one"), erf)])
-    half = var("erf_half")
-    alternatives = [
-        (op.Relu(h), "relu"),
-        (op.Gelu(h), "gelu"),
-        (op.FastGelu(h, _domain=MS_DOMAIN), "fast_gelu"),
-        (op.Gelu(h, _domain=MS_DOMAIN), "ms_gelu"),
-        (op.Mul(h, op.Sigmoid(h)), "silu_mul"),
-        (op.Mul(op.Sigmoid(h), h), "silu_mul_r"),
-        (op.Swish(h), "swish"),
-        (op.Mul(op.Mul(h, half), one_plus), "erf_gelu"),
-        (op.Mul(one_plus, op.Mul(h, half)), "erf_gelu"),
-        (op.Mul(op.Mul(h, one_plus), half), "erf_gelu"),
-        (op.Mul(h, op.Mul(one_plus, half)), "erf_gelu"),
-        (op.Mul(h, op.Mul(half, one_plus)), "erf_gelu"),
-        (h, "identity"),
-    ]
-    return pattern.OrValue(
-        [a for a, _ in alternatives],
-        name="act",
-        tag_var="activation",
-        tag_values=[t for _, t in alternatives],
-    )
-
-
-def activation_pattern(op, family: str, fc1: Callable[[str], Any]) -> Any:
-    """The activation part of a layer of ``family``, the FC1 projections built by ``fc1(tag)``.
-
-    * ``"gated"``: SwiGLU of two projections, ``fc1("fc1_gate")`` and ``fc1("fc1_up")``;
-    * ``"fused_gated"``: SwiGLU of one projection ``fc1("fc1")`` cut by ``Slice`` (halves or
-      strided) or ``Split``;
-    * ``"elementwise"``: an element-wise activation of ``fc1("fc1")``.
-
-    SwiGLU: ``gate * Sigmoid(alpha * gate) * (linear + beta)``, each operand optionally
-    ``Clip``-ped, alpha and beta optional.
-    """
-    if family == "gated":
-        return _swiglu(op, fc1("fc1_gate"), fc1("fc1_up"))
-    if family == "fused_gated":
-        return _cut_swiglu(op, fc1)
-    if family == "elementwise":
-        return _elementwise(op, fc1)
-    raise ValueError(f"unknown activation family {family!r}; choose among {FAMILIES}")
 
 
 # -- the rule ----------------------------------------------------------------------------------
@@ -219,13 +100,38 @@ def _fresh_name(graph: ir.Graph | None, base: str) -> str:
     return name
 
 
-class MoELayerRule(pattern.RewriteRuleClassBase):
-    """A whole-layer rule: ``check`` proves, ``rewrite`` emits one MoE/QMoE node.
+def prove_layer(
+    parts: LayerParts,
+    *,
+    combine: str,
+    emit: frozenset[str],
+    standalone: bool,
+) -> LayerPlan:
+    """Prove the recognised ``parts`` one fused node; raise the first part's failure otherwise.
 
-    A concrete rule gives its activation ``family`` (a class attribute) and its layout: the
-    combine spellings it takes (``combines``), the whole-layer ``pattern`` and ``_analyse``, the
-    layout's proof (a pure function of the graph and the bindings, returning a
-    :class:`~._moe_analysis.LayerPlan` or raising :class:`~._moe_analysis.Refusal`).
+    ``standalone``: the rule runs alone (not in the pipeline's splice), so nothing the fused
+    node replaces may be used outside the layer (the splice proves its region itself).
+    """
+    b = parts.bindings
+    inside = parts.nodes if standalone else None
+    if parts.layout == "rows":
+        plan = analyse_rows_layer(
+            b, family=parts.family, emit=emit, matched=inside, combine=combine
+        )
+    else:
+        plan = analyse_layer(b, family=parts.family, combine=combine, emit=emit, matched=inside)
+    if standalone:
+        escape = escaping_value(parts, parts.nodes)
+        if escape is not None:
+            raise escape
+    return plan
+
+
+class MoELayerRule(pattern.RewriteRuleClassBase):
+    """A layer rule: a small combine pattern; ``check`` recognises and proves, ``rewrite`` emits.
+
+    A concrete rule gives its activation ``family`` and the combine forms it anchors at
+    (``combines``, class attributes); recognition and proofs are shared (:func:`prove_layer`).
     """
 
     family: ClassVar[str] = ""
@@ -239,18 +145,25 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         emit: Iterable[str] = FUSED_OPS,
         probe: bool = False,
         splice: bool = False,
+        weight_sink: WeightSink | None = None,
     ) -> None:
-        """Configure the rule: which combine spelling it matches, which ops it may emit.
+        """Configure the rule: which combine form it anchors at, which ops it may emit.
 
-        ``combine`` defaults to the layout's first spelling. A ``probe`` rule checks like the
+        ``combine`` defaults to the layout's first form. A ``probe`` rule checks like the
         real one but its rewrite builds only a placeholder: it serves dry runs with a tracer
         (which never apply a rewrite), to collect near misses without repacking weights.
 
         A ``splice`` rule runs on a canonicalised working copy whose fused nodes are spliced
         into the original graph afterwards (``onnx_moe_fuse.passes``): the splice proves the
         layer's region in the original, keeps what escapes upstream of the experts (a router
-        Softmax that is also a graph output) and refuses the rest. So a splice rule neither
-        checks escapes nor removes the matched nodes; used alone (the default), a rule does both.
+        Softmax that is also a graph output) and refuses the rest. So a splice rule does not
+        check escapes; used alone (the default), a rule refuses a layer with an intermediate
+        used outside it. Either way the rule removes no node itself (its pattern is the combine
+        and the TopK only): the rewriter replaces the layer output and the rest of the layer is
+        left dead, for a dead-code pass (the pipeline's, or the rule set's own when alone).
+
+        ``weight_sink`` stores each repacked array as an initializer's tensor
+        (:mod:`.weight_sink`; default in memory).
         """
         combine = self.combines[0] if combine is None else combine
         if combine not in self.combines:
@@ -258,24 +171,43 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         emit = frozenset(emit)
         if not emit <= FUSED_OPS:
             raise ValueError(f"emit must be a subset of {sorted(FUSED_OPS)}, got {sorted(emit)}")
-        super().__init__(name or f"{type(self).__name__}[{combine}]", remove_nodes=not splice)
+        super().__init__(name or f"{type(self).__name__}[{combine}]", remove_nodes=False)
         # configuration only: nothing about a match is ever stored on the rule
         self._combine_form = combine
         self._emit = emit
         self._probe = probe
         self._splice = splice
+        self._weight_sink = in_memory if weight_sink is None else weight_sink
 
-    def _activation(self, op, fc1: Callable[[str], Any]) -> Any:
-        return activation_pattern(op, self.family, fc1)
+    def pattern(self, op):
+        """The combine form of this rule, weighted by the values of a routing TopK."""
+        weights, _ = routing_pattern(op)
+        return combine_pattern(op, self._combine_form, var("expert_out"), weights)
 
-    def _analyse(self, bindings: dict[str, Any], matched=None) -> LayerPlan:
-        raise NotImplementedError
+    def _plan(self, bindings: dict[str, Any]) -> LayerPlan:
+        """Recognise the layer's parts and prove them (a pure function of the graph)."""
+        root = bindings["layer_out"].producer()
+        parts = recognise_layer(root, self._combine_form, FAMILIES)
+        plan = prove_layer(
+            parts, combine=self._combine_form, emit=self._emit, standalone=not self._splice
+        )
+        if parts.family != self.family:
+            # another rule of this combine fuses it; failing with the same words as that rule
+            # would on a refusal keeps one near miss per layer (the proof above raised it)
+            raise failure(
+                "activation",
+                f"the activation is {parts.activation.kind} ({parts.family} family), which "
+                f"another rule of this combine fuses",
+                parts.activation.output,
+            )
+        return plan
 
     def check(self, context, **bindings) -> pattern.MatchResult:
-        """Prove the rewrite equivalent; a failure names the reason in plain words."""
+        """Prove the rewrite equivalent; a failure names the part and the reason in plain words."""
+        del context  # the layer's nodes are the recognised parts', not the small pattern's
         result = pattern.MatchResult()
         try:
-            self._analyse(bindings, matched=None if self._splice else set(context.nodes))
+            self._plan(bindings)
         except Refusal as refusal:
             part = refusal_part(refusal)
             reason = f"{part}: {refusal.reason}" if part else refusal.reason
@@ -285,8 +217,8 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
     def rewrite(self, op, **bindings):
         """Emit one ``com.microsoft.MoE``/``QMoE`` node (weights repacked, attributes explicit)."""
         if self._probe:
-            return op.Identity(bindings["tokens"])
-        plan = self._analyse(bindings)
+            return op.Identity(bindings["topk_values"])
+        plan = self._plan(bindings)
         arrays = fused_arrays(plan)
         graph = plan.root.graph
         base = re.sub(
@@ -298,7 +230,7 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
             if array is None:
                 return None
             name = _fresh_name(graph, f"{base}.{suffix}")
-            return op.initializer(ir.tensor(np.ascontiguousarray(array), name=name), name=name)
+            return op.initializer(self._weight_sink(array, name), name=name)
 
         router = plan.router_probs
         if plan.rank != 2:

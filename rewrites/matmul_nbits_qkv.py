@@ -100,6 +100,7 @@ from ._qkv_projections import (
 from ._qkv_roles import (
     _assign_roles,
 )
+from .weight_sink import WeightSink, in_memory
 
 __all__ = [
     "FUSED_ATTRIBUTES",
@@ -226,8 +227,14 @@ def _fresh_name(graph: ir.Graph | None, base: str, taken: set[str]) -> str:
 class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
     """One norm spelling and one mix of projection kinds -> ``com.microsoft.MatMulNBitsQkv``."""
 
-    def __init__(self, form: str, mix: str, name: str | None = None) -> None:
-        """Configure the instance: the norm spelling (:data:`NORM_FORMS`) and projection kinds."""
+    def __init__(
+        self, form: str, mix: str, name: str | None = None, weight_sink: WeightSink | None = None
+    ) -> None:
+        """Configure the instance: the norm spelling (:data:`NORM_FORMS`) and projection kinds.
+
+        ``weight_sink`` stores each repacked array as an initializer's tensor
+        (:mod:`.weight_sink`; default in memory).
+        """
         if form not in NORM_FORMS:
             raise ValueError(f"form must be one of {NORM_FORMS}, got {form!r}")
         if mix not in PROJECTION_MIXES:
@@ -236,6 +243,7 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
         # configuration only: nothing about a match is ever stored on the rule
         self._form = form
         self._mix = mix
+        self._weight_sink = in_memory if weight_sink is None else weight_sink
 
     @classmethod
     def rule(cls, *args, **kwargs) -> pattern.RewriteRule:
@@ -282,7 +290,7 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
             if isinstance(item, ir.Value):
                 return item
             name = _fresh_name(graph, f"{base}.{suffix}", taken)
-            return op.initializer(ir.tensor(np.ascontiguousarray(item), name=name), name=name)
+            return op.initializer(self._weight_sink(item, name), name=name)
 
         inputs: list[ir.Value | None] = [
             plan.a,
@@ -309,19 +317,23 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
         return result
 
 
-def rule_instances() -> list[pattern.RewriteRule]:
+def rule_instances(weight_sink: WeightSink | None = None) -> list[pattern.RewriteRule]:
     """Every instance: each norm spelling times each projection mix."""
-    return [MatMulNBitsQkvRule.rule(form, mix) for form in NORM_FORMS for mix in PROJECTION_MIXES]
+    return [
+        MatMulNBitsQkvRule.rule(form, mix, weight_sink=weight_sink)
+        for form in NORM_FORMS
+        for mix in PROJECTION_MIXES
+    ]
 
 
-def rules() -> pattern.RewriteRuleSet:
+def rules(weight_sink: WeightSink | None = None) -> pattern.RewriteRuleSet:
     """The rule set. It never sweeps dead code itself: run a dead-code pass after it.
 
     To merge these rules into another ``RewriteRuleSet``, set its ``remove_unused_nodes`` to
     False as here: onnxscript turns it on for any set holding a ``remove_nodes=False`` rule, and
     then sweeps dead code even from graphs where nothing fused.
     """
-    rule_set = pattern.RewriteRuleSet(rule_instances())
+    rule_set = pattern.RewriteRuleSet(rule_instances(weight_sink))
     rule_set.remove_unused_nodes = False
     return rule_set
 

@@ -1,37 +1,32 @@
-"""Whole-layer rules: a mixture-of-experts layer in standard ONNX -> ``com.microsoft.MoE``/``QMoE``.
+"""MoE layer rules: a mixture-of-experts layer in standard ONNX -> ``com.microsoft.MoE``/``QMoE``.
 
-One rule matches one whole layer, from the routing TopK and the expert projections to the
-combine, in every spelling it knows (onnxscript ``OrValue`` alternatives, so spellings add up
-instead of multiplying). This module holds the per-slot layout, whose projections are
-``[*, k, N]``, and the rule catalogue (:func:`moe_layer_rules`), which also takes the
-flattened-rows layout of torch.onnx ``batched_mm`` exports from :mod:`.moe_layer_batched`:
+Each rule anchors at a small pattern, the combine that ends a layer weighted by the values of a
+routing TopK, and recognises the rest part by part (:mod:`.parts`): routing (``TopK`` values
+renormalised, softmaxed over k, or as they are), FC2 from what the combine reads, the activation
+from FC2's input, FC1 (+ the up projection) from the activation's operands. Part spellings
+compose: any known FC1 x activation x FC2 x combine spelling is one layer, in either layout:
 
-* routing (shared, :func:`._moe_rule.routing_pattern`): ``TopK(scores, k)`` with the weights
-  ``Div(v, ReduceSum(v))`` / ``Mul(v, Reciprocal(ReduceSum(v)))`` (renormalised), ``Softmax(v)``
-  (top-k then softmax) or ``v`` as it is; whether ``scores`` is a ``Softmax`` of the logits is
-  decided in ``check``;
-* experts (FC1 on the tokens, FC2 on the activation): ``GroupedMatMul`` (opset 29; FC2 flattened
-  to ``[M*k, I]`` rows with ``[M*k, 1]`` indices and reshaped back) or its decomposition
-  ``Gather(weights, indices)`` + ``Unsqueeze`` (+ ``Expand``) + ``MatMul`` + ``Squeeze`` /
-  ``Reshape``; biases as GroupedMatMul's 4th input or ``Gather(bias, indices)`` + ``Add``;
-* activation (shared, :func:`._moe_rule.activation_pattern`), one rule class per family:
-  :class:`GatedSwiGLUMoELayer` (SwiGLU from separate gate and up experts),
-  :class:`FusedSwiGLUMoELayer` (SwiGLU from one FC1 cut by ``Slice`` - halves or strided - or
-  ``Split``), :class:`ElementwiseMoELayer` (Relu, Gelu, SiLU, identity, and the exact-GELU
-  spellings it must refuse); SwiGLU with optional ``Clip`` limits, alpha and beta;
-* combine: ``ReduceSum(Mul(expert_out, Unsqueeze(weights, -1)), k axis)`` or ``MatMul`` of the
-  weights as a row vector with the expert outputs (then ``Squeeze`` or ``Reshape``).
+* per slot (this module's combines): projections ``[*, k, N]``, ``GroupedMatMul`` (opset 29)
+  or ``Gather(weights, indices)`` + ``Unsqueeze`` (+ ``Expand``) + ``MatMul`` + ``Squeeze`` /
+  ``Reshape``, biases as GroupedMatMul's 4th input or ``Gather(bias, indices)`` + ``Add``;
+  combined by ``ReduceSum(Mul(expert_out, Unsqueeze(weights, -1)), k axis)`` or ``MatMul`` of
+  the weights as a row vector (then ``Squeeze`` or ``Reshape``); FC2 may also be flattened
+  ``[T*k, H]`` rows un-flattened by a ``Reshape`` (:mod:`.moe_layer_batched` for the rows'
+  own combine);
+* activation: SwiGLU of separate gate and up experts (:class:`GatedSwiGLUMoELayer`) or of one
+  FC1 cut by ``Slice``/``Split`` (:class:`FusedSwiGLUMoELayer`), with optional ``Clip`` limits,
+  alpha and beta; Relu, tanh Gelu, SiLU, identity, and the exact-GELU spellings it must refuse
+  (:class:`ElementwiseMoELayer`). A rule recognises every family and fuses its own.
 
-The pattern proves structure only; ``check`` proves meaning with
-:func:`~._moe_analysis.analyse_layer` (axes, ``k``, Reshape targets, constants, indices, dtypes,
-zero points, clamp limits, the routing form, the escapes of the router probabilities and the
-dequantized weights) and returns a failed ``MatchResult`` with a plain-words reason otherwise.
-``rewrite`` (:class:`._moe_rule.MoELayerRule`) runs the same analysis again (nothing is kept on
-the rule between the two calls), repacks the weights (:mod:`._moe_emit`) and emits one node with
-every attribute written and its inputs at ORT's positions (``""`` for an absent optional input).
-The matched nodes are removed by the rewriter; what becomes dead outside the pattern (the router
-Softmax, DequantizeLinear nodes, Constants) is left to a dead-code pass
-(``onnx_moe_fuse.passes``).
+``check`` proves the meaning with :func:`~._moe_analysis.analyse_layer` or
+:func:`~._moe_rows_analysis.analyse_rows_layer` (axes, ``k``, Reshape targets, constants, the
+same TopK indices everywhere, dtypes, zero points, clamp limits, the routing form, the router
+reading the experts' token rows, escapes) and returns a failed ``MatchResult`` whose reason
+names the part (``"fc2: ..."``) otherwise. ``rewrite`` (:class:`._moe_rule.MoELayerRule`)
+recognises and proves again (nothing is kept on the rule), repacks the weights
+(:mod:`._moe_emit`) and emits one node with every attribute written and its inputs at ORT's
+positions. The rest of the layer is left dead for a dead-code pass (``onnx_moe_fuse.passes``;
+a rule set used alone sweeps it itself).
 
 Exports: the rule classes, :func:`moe_layer_rules`, :func:`moe_layer_rule_set` and the default
 :data:`moe_layer_ruleset` (every target op, both layouts).
@@ -40,13 +35,14 @@ Exports: the rule classes, :func:`moe_layer_rules`, :func:`moe_layer_rule_set` a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from onnxscript.rewriter import pattern
 
-from ._moe_analysis import LayerPlan, analyse_layer
-from ._moe_rule import FUSED_OPS, REPLACED_KEY, MoELayerRule, routing_pattern, var
+from ._moe_rule import FUSED_OPS, REPLACED_KEY, MoELayerRule
 from .moe_layer_batched import BATCHED_RULE_CLASSES
+from .parts.combine import SLOT_COMBINES
+from .weight_sink import WeightSink
 
 __all__ = [
     "COMBINES",
@@ -61,90 +57,14 @@ __all__ = [
     "moe_layer_ruleset",
 ]
 
-#: The combine spellings of the per-slot layout; one rule instance each.
-COMBINES = ("reduce_sum", "matmul_squeeze", "matmul_reshape")
-
-
-# -- pattern pieces ----------------------------------------------------------------------------
-
-
-def _selected_tail(op, lhs, tag: str, gmm_alternative) -> Any:
-    """Gather/MatMul/unit-axis-drop (+ Gather/Add bias), or the GroupedMatMul alternative."""
-    weight, idx = var(f"{tag}_weight"), var(f"{tag}_indices")
-    selected = op.Gather(weight, idx, _outputs=[f"{tag}_gather"])
-    mm = op.MatMul(lhs, selected, _outputs=[f"{tag}_matmul"])
-    drop = pattern.OrValue(
-        [op.Squeeze(mm, var(f"{tag}_drop_axes", True)), op.Reshape(mm, var(f"{tag}_drop_shape"))],
-        name=f"{tag}_drop",
-    )
-    bias_sel = op.Gather(
-        var(f"{tag}_bias", True), var(f"{tag}_bias_indices"), _outputs=[f"{tag}_bias_gather"]
-    )
-    return pattern.OrValue(
-        [gmm_alternative, op.Add(drop, bias_sel), op.Add(bias_sel, drop), drop],
-        name=f"{tag}_out",
-    )
-
-
-def _fc_tokens(op, tokens, tag: str) -> Any:
-    """A projection of the tokens ``[*, K]`` by each token's k experts -> ``[*, k, N]``."""
-    weight, idx, bias = var(f"{tag}_weight"), var(f"{tag}_indices"), var(f"{tag}_bias", True)
-    gmm = op.GroupedMatMul(tokens, weight, idx, bias, _outputs=[f"{tag}_gmm"])
-    unsq = op.Unsqueeze(tokens, var(f"{tag}_lhs_axes", True), _outputs=[f"{tag}_lhs_unsq"])
-    lhs = pattern.OrValue(
-        [op.Expand(unsq, var(f"{tag}_expand_shape"), _outputs=[f"{tag}_expand"]), unsq]
-    )
-    return _selected_tail(op, lhs, tag, gmm)
-
-
-def _fc_slots(op, inputs, tag: str) -> Any:
-    """A projection of per-slot inputs ``[*, k, K]`` by the slot's expert -> ``[*, k, N]``."""
-    weight, idx, bias = var(f"{tag}_weight"), var(f"{tag}_indices"), var(f"{tag}_bias", True)
-    rows = op.Reshape(inputs, var(f"{tag}_rows_shape"), _outputs=[f"{tag}_rows"])
-    row_idx = op.Reshape(idx, var(f"{tag}_row_idx_shape"), _outputs=[f"{tag}_row_idx"])
-    grouped = op.GroupedMatMul(rows, weight, row_idx, bias, _outputs=[f"{tag}_gmm"])
-    gmm = op.Reshape(grouped, var(f"{tag}_unflat_shape"), _outputs=[f"{tag}_unflat"])
-    lhs = op.Unsqueeze(inputs, var(f"{tag}_lhs_axes", True), _outputs=[f"{tag}_lhs_unsq"])
-    return _selected_tail(op, lhs, tag, gmm)
-
-
-def _combine(op, expert_out, weights, combine: str) -> Any:
-    if combine == "reduce_sum":
-        w3 = op.Unsqueeze(
-            weights, var("combine_unsq_axes", True), _outputs=["routing_weights_unsq"]
-        )
-        weighted = pattern.OrValue([op.Mul(expert_out, w3), op.Mul(w3, expert_out)])
-        return op.ReduceSum(weighted, var("combine_axes", True), _outputs=["layer_out"])
-    row = op.Unsqueeze(weights, var("combine_unsq_axes", True), _outputs=["routing_weights_unsq"])
-    mixed = op.MatMul(row, expert_out)
-    if combine == "matmul_squeeze":
-        return op.Squeeze(mixed, var("combine_axes", True), _outputs=["layer_out"])
-    return op.Reshape(mixed, var("combine_shape"), _outputs=["layer_out"])
-
-
-# -- the rules ---------------------------------------------------------------------------------
+#: The combine forms of the per-slot layout; one rule instance each.
+COMBINES = SLOT_COMBINES
 
 
 class _SlotMoELayerRule(MoELayerRule):
-    """The per-slot layout: projections ``[*, k, N]``, combined over the k axis."""
+    """Anchored at a slot combine (``[*, k, H]`` expert outputs summed over the k axis)."""
 
     combines: ClassVar[tuple[str, ...]] = COMBINES
-
-    def pattern(self, op, tokens):
-        """The whole layer: routing, FC1, activation, FC2, combine."""
-        weights, _ = routing_pattern(op)  # the projections bind the indices as variables
-        act = self._activation(op, lambda tag: _fc_tokens(op, tokens, tag))
-        expert_out = _fc_slots(op, act, "fc2")
-        return _combine(op, expert_out, weights, self._combine_form)
-
-    def _analyse(self, bindings: dict[str, Any], matched=None) -> LayerPlan:
-        return analyse_layer(
-            bindings,
-            family=self.family,
-            combine=self._combine_form,
-            emit=self._emit,
-            matched=matched,
-        )
 
 
 class GatedSwiGLUMoELayer(_SlotMoELayerRule):
@@ -175,26 +95,39 @@ RULE_CLASSES: tuple[type[MoELayerRule], ...] = (
 
 
 def moe_layer_rules(
-    emit: Iterable[str] = FUSED_OPS, *, probe: bool = False, splice: bool = False
+    emit: Iterable[str] = FUSED_OPS,
+    *,
+    probe: bool = False,
+    splice: bool = False,
+    weight_sink: WeightSink | None = None,
 ) -> list[pattern.RewriteRule]:
-    """Every layer rule (each class x each of its combine spellings), emitting only ``emit``.
+    """Every layer rule (each class x each of its combine forms), emitting only ``emit``.
 
-    ``probe`` and ``splice``: see :class:`._moe_rule.MoELayerRule`.
+    ``probe``, ``splice`` and ``weight_sink``: see :class:`._moe_rule.MoELayerRule`.
     """
     emit = frozenset(emit)
     return [
-        cls.rule(combine=c, emit=emit, probe=probe, splice=splice)
+        cls.rule(combine=c, emit=emit, probe=probe, splice=splice, weight_sink=weight_sink)
         for cls in RULE_CLASSES
         for c in cls.combines
     ]
 
 
 def moe_layer_rule_set(
-    emit: Iterable[str] = FUSED_OPS, *, probe: bool = False, splice: bool = False
+    emit: Iterable[str] = FUSED_OPS,
+    *,
+    probe: bool = False,
+    splice: bool = False,
+    weight_sink: WeightSink | None = None,
 ) -> pattern.RewriteRuleSet:
-    """A rule set of :func:`moe_layer_rules`; it never sweeps dead code by itself."""
-    rule_set = pattern.RewriteRuleSet(moe_layer_rules(emit, probe=probe, splice=splice))
-    rule_set.remove_unused_nodes = False
+    """A rule set of :func:`moe_layer_rules`.
+
+    Used alone it sweeps what a fused layer leaves dead; a ``splice`` set (the pipeline's) never
+    does, the pipeline sweeps the original graph after splicing.
+    """
+    rules = moe_layer_rules(emit, probe=probe, splice=splice, weight_sink=weight_sink)
+    rule_set = pattern.RewriteRuleSet(rules)
+    rule_set.remove_unused_nodes = not splice
     return rule_set
 
 

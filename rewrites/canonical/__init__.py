@@ -28,6 +28,7 @@ def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
     from .dense_experts import CanonicalDenseExpertsPass
     from .fold_shapes import FoldShapesPass
     from .fold_weight_layout import FoldWeightLayoutPass
+    from .loop_experts import CanonicalExpertLoopPass
     from .slots import CanonicalSlotsPass
     from .sorted_experts import CanonicalSortedExpertsPass
     from .spellings import NormalizeSpellingsPass
@@ -37,6 +38,7 @@ def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
         FoldWeightLayoutPass(),
         NormalizeSpellingsPass(),
         CanonicalSlotsPass(),
+        CanonicalExpertLoopPass(),
         CanonicalDenseExpertsPass(),
         CanonicalSortedExpertsPass(),
     ]

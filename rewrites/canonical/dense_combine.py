@@ -3,10 +3,18 @@
 Used by :mod:`.dense_experts`, after :mod:`.dense_mask` has read the mask. The layer output is
 ``sum_e dense[:, e] * y_e``, spelled as an ``Add`` tree (chain or balanced) of
 ``Mul(y_e, column_e)`` over separate expert outputs, or, over stacked outputs ``Y [E, T, H]``,
-``ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)`` or
-``Squeeze(MatMul(Unsqueeze(dense, 1), Transpose(Y, [1, 0, 2])), 1)``. Substituting ``dense``,
+``ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)``,
+``Squeeze(MatMul(Unsqueeze(dense, 1), Transpose(Y, [1, 0, 2])), 1)`` or
+``Einsum("te,eth->th", dense, Y)`` (any letters, either operand order). Substituting ``dense``,
 ``sum_e dense[t, e] y_e(x_t) = sum_j w[t, j] y_{idx[t, j]}(x_t)``: the per-slot layer. A failed
-proof raises :class:`~onnx_moe_fuse.rewrites._graph_facts.Refusal`.
+proof raises :class:`~onnx_moe_fuse.rewrites._graph_facts.Refusal` tagged part ``combine``.
+
+The Einsum is read here as well as lowered by
+:mod:`~onnx_moe_fuse.rewrites.canonical.spelling_einsum`: that lowering needs both operands'
+element types, and the mask's is unknown where a model records types only at its boundary
+(a ``OneHot``'s type is its values', which the type walk does not follow), so the Einsum can
+reach this pass as it was written. Its equation is parsed by that module's
+:func:`~onnx_moe_fuse.rewrites.canonical.spelling_einsum.parse_equation`.
 """
 
 from __future__ import annotations
@@ -15,16 +23,11 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from .._graph_facts import Refusal, attr_int, label
-from .dense_mask import (
-    DenseWeights,
-    Routing,
-    axes_are,
-    consumers,
-    is_op,
-    only_consumer,
-    other_operand,
-)
+from .._graph_facts import Refusal, attr_int, attr_str, label
+from .dense_consts import axes_are, consumers, is_op, only_consumer, other_operand, part
+from .dense_mask import DenseWeights
+from .dense_routing import Routing
+from .spelling_einsum import parse_equation
 
 __all__ = ["Combine", "read_combine"]
 
@@ -66,7 +69,7 @@ def _combine_columns(mask: DenseWeights, routing: Routing) -> Combine:
     for e, col in mask.columns.items():
         mul = only_consumer(col, f"expert {e}'s weight")
         if not is_op(mul, "Mul"):
-            raise Refusal(f"expert {e}'s weight does not multiply an expert output")
+            raise Refusal(f"expert {e}'s weight does not multiply an expert output", mul)
         outputs[e] = other_operand(mul, col)
         terms[id(mul.outputs[0])] = e
         nodes.append(mul)
@@ -84,7 +87,8 @@ def _combine_columns(mask: DenseWeights, routing: Routing) -> Combine:
     if root is None or sorted(leaves) != list(range(routing.experts)):
         raise Refusal(
             "the combine does not add the weighted outputs of all "
-            f"E = {routing.experts} experts exactly once"
+            f"E = {routing.experts} experts exactly once",
+            root if root is not None else nodes[0],
         )
     _collect_adds(root.outputs[0], terms, nodes)
     return Combine(root, outputs, None, nodes)
@@ -113,7 +117,7 @@ def _combine_dense(mask: DenseWeights) -> Combine:
     if _perm(user) == [1, 0]:  # ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)
         unsq = only_consumer(user.outputs[0], "the transposed dense weights")
         if not is_op(unsq, "Unsqueeze") or not axes_are(unsq, 3, [2]):
-            raise Refusal(f"{label(user)}: the dense weights are not made [E, T, 1]")
+            raise Refusal(f"{label(user)}: the dense weights are not made [E, T, 1]", user)
         mul = only_consumer(unsq.outputs[0], "the [E, T, 1] dense weights")
         red = (
             only_consumer(mul.outputs[0], "the weighted expert outputs")
@@ -121,30 +125,52 @@ def _combine_dense(mask: DenseWeights) -> Combine:
             else None
         )
         if red is None or not is_op(red, "ReduceSum") or not axes_are(red, 3, [0]):
-            raise Refusal(f"{label(unsq)}: the weighted expert outputs are not summed over E")
+            raise Refusal(f"{label(unsq)}: the weighted expert outputs are not summed over E", unsq)
         if attr_int(red, "keepdims", 1):
-            raise Refusal(f"{label(red)}: keeps the expert axis")
+            raise Refusal(f"{label(red)}: keeps the expert axis", red)
         nodes += [unsq, mul, red]
         return Combine(red, None, other_operand(mul, unsq.outputs[0]), nodes)
     if is_op(user, "Unsqueeze") and axes_are(user, 3, [1]):  # MatMul(dense row, Y^T)
         mm = only_consumer(user.outputs[0], "the dense weights row")
         if not is_op(mm, "MatMul") or mm.inputs[0] is not user.outputs[0]:
-            raise Refusal(f"{label(user)}: the dense weights row does not multiply the experts")
+            raise Refusal(
+                f"{label(user)}: the dense weights row does not multiply the experts", user
+            )
         tr = mm.inputs[1].producer()
         if _perm(tr) != [1, 0, 2]:
-            raise Refusal(f"{label(mm)}: the expert outputs are not transposed to [T, E, H]")
+            raise Refusal(f"{label(mm)}: the expert outputs are not transposed to [T, E, H]", mm)
         sq = only_consumer(mm.outputs[0], "the mixed expert outputs")
         if not is_op(sq, "Squeeze") or not axes_are(sq, 3, [1]):
-            raise Refusal(f"{label(mm)}: the unit axis of the mixed outputs is not squeezed")
+            raise Refusal(f"{label(mm)}: the unit axis of the mixed outputs is not squeezed", mm)
         nodes += [mm, sq]
         if len(consumers(tr.outputs[0])) == 1:
             nodes.append(tr)
         return Combine(sq, None, tr.inputs[0], nodes)
-    raise Refusal(f"{label(user)}: the dense routing weights are not combined with stacked experts")
+    if is_op(user, "Einsum") and _mixes_stacked_outputs(user, dense):
+        return Combine(user, None, other_operand(user, dense), nodes)
+    raise Refusal(
+        f"{label(user)}: the dense routing weights are not combined with stacked experts", user
+    )
+
+
+def _mixes_stacked_outputs(node: ir.Node, dense: ir.Value) -> bool:
+    """``Einsum`` computing ``out[t, h] = sum_e dense[t, e] Y[e, t, h]`` (any letters)."""
+    if len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
+        return False
+    eq = parse_equation(attr_str(node, "equation", ""))
+    if eq is None:
+        return False
+    mask, outputs = (eq.first, eq.second) if node.inputs[0] is dense else (eq.second, eq.first)
+    if len(mask) != 2 or len(outputs) != 3 or len(eq.out) != 2:
+        return False
+    t, e = mask
+    h = outputs[2]
+    return outputs == f"{e}{t}{h}" and eq.out == f"{t}{h}" and len({t, e, h}) == 3
 
 
 def read_combine(mask: DenseWeights, routing: Routing) -> Combine:
     """Prove that the layer output is ``sum_e dense[:, e] * y_e`` over all E experts."""
-    if mask.columns is not None:
-        return _combine_columns(mask, routing)
-    return _combine_dense(mask)
+    with part("combine"):
+        if mask.columns is not None:
+            return _combine_columns(mask, routing)
+        return _combine_dense(mask)

@@ -6,6 +6,9 @@ only writes. The new nodes go right before the dense combine (everything they re
 before it); the new ReduceSum takes over the layer output's name and uses; new values and
 initializers get fresh names (``<combine>_canonical/...``). The old nodes are removed, then
 whatever only fed them (per-expert DQ and Constant nodes, the scatter's zeros, initializers).
+A new node that stands for an old one (an activation op copied from expert 0, the GroupedMatMul
+of an FC, the final ReduceSum) then takes over the old node's name and its outputs' names, so
+the layer rules' near misses name nodes and values the user's model has.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Emitter:
         root = layer.combine.root
         self.prefix = f"{root.name or root.outputs[0].name or 'moe'}_canonical"
         self.new_nodes: list[ir.Node] = []
+        self.stands_for: list[tuple[ir.Node, ir.Node]] = []  # (new node, the old node it replaces)
 
     # -- names and constants ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -139,6 +143,7 @@ class Emitter:
         for j, proj in enumerate(mlps[0].fc1):
             weight, bias = self.projection_inputs(j, f"fc1_{j}")
             gmm = self.node("GroupedMatMul", [tokens, weight, idx, *bias], f"fc1_{j}")
+            self.stands_for.append((gmm, proj.nodes[0]))
             mapping[id(proj.out)] = gmm.outputs[0]
         act = self.copy_activation(mlps[0], mapping)
         w2, b2 = self.projection_inputs(len(mlps[0].fc1), "fc2")
@@ -148,6 +153,7 @@ class Emitter:
         grouped = self.node(
             "GroupedMatMul", [rows.outputs[0], w2, row_idx.outputs[0], *b2], "fc2_grouped"
         )
+        self.stands_for.append((grouped, mlps[0].fc2.nodes[0]))
         shape = self.ints("fc2_slots_shape", [-1, routing.k, hidden])
         fc2_out = self.node("Reshape", [grouped.outputs[0], shape], "fc2")
         w3 = self.node("Unsqueeze", [w, self.ints("weights_axes", [-1])], "routing_weights_3d")
@@ -155,9 +161,11 @@ class Emitter:
         out = self.node(
             "ReduceSum", [mul.outputs[0], self.ints("slots_axes", [1])], "out", keepdims=0
         )
+        self.stands_for.append((out, layer.combine.root))
         self.graph.insert_before(layer.combine.root, self.new_nodes)
         self.take_over(layer.combine.root.outputs[0], out.outputs[0])
         self.remove_dense_nodes()
+        self.take_over_node_names()
 
     def copy_activation(self, mlp: ExpertMLP, mapping: dict[int, ir.Value]) -> ir.Value:
         """Copy expert 0's activation onto the per-slot FC1 outputs; returns the FC2 input."""
@@ -170,6 +178,7 @@ class Emitter:
                 inputs[3] = self.ints("slice_axes", [-1])
             base = f"act_{old.op_type.lower()}"
             new = self.node(old.op_type, inputs, base, len(old.outputs), old.domain, **attrs)
+            self.stands_for.append((new, old))
             for o_old, o_new in zip(old.outputs, new.outputs, strict=True):
                 mapping[id(o_old)] = o_new
         return mapping.get(id(mlp.act_out), mlp.act_out)
@@ -181,6 +190,27 @@ class Emitter:
         old.name = self.fresh("dense_out")
         new.name = name
         new.type, new.shape = old.type, old.shape
+
+    def take_over_node_names(self) -> None:
+        """Each new node standing for a removed one takes its name, and its outputs' names.
+
+        Only names nothing in the graph has now; the final ReduceSum's output has the layer
+        output's name already.
+        """
+        taken = _all_names(self.graph)
+        root = self.layer.combine.root
+        for new, old in self.stands_for:
+            if old.graph is not None:
+                continue
+            if old.name and old.name not in taken:
+                new.name = old.name
+                taken.add(old.name)
+            if old is root:
+                continue
+            for n_out, o_out in zip(new.outputs, old.outputs, strict=True):
+                if o_out.name and o_out.name not in taken:
+                    n_out.name = o_out.name
+                    taken.add(o_out.name)
 
     def remove_dense_nodes(self) -> None:
         nodes = self.layer.nodes()

@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._graph_facts import Refusal, attr_int, label, normalize_axes
-from .dense_consts import const_array, const_ints, is_const
+from .dense_consts import STD, const_array, const_ints, is_const, part
 from .dense_nbits import MS_DOMAIN, nbits_geometry, nbits_is_supported
 
 __all__ = ["ExpertMLP", "Projection", "WeightSource", "read_mlp"]
@@ -55,7 +55,7 @@ _ELEMENTWISE = frozenset(
     }
 )
 _MS_ELEMENTWISE = frozenset({"FastGelu", "Gelu", "QuickGelu"})
-_STD = ("", "ai.onnx")
+_STD = STD
 
 
 def _operand_shapes(node: ir.Node) -> tuple:
@@ -114,7 +114,11 @@ class Projection:
 
 @dataclass
 class ExpertMLP:
-    """``out = FC2(act(FC1 projections))``; ``act_nodes`` in a deterministic topological order."""
+    """``out = FC2(act(FC1 projections))``; ``act_nodes`` in a deterministic topological order.
+
+    ``signature`` is ``(activation entries, FC2 input, projection signatures)``: the first two
+    describe the activation, the last the weights' dtypes, shapes and quantisation.
+    """
 
     fc1: list[Projection]
     act_nodes: list[ir.Node]
@@ -191,6 +195,48 @@ def _projection(value: ir.Value) -> Projection | None:
     return Projection(node.inputs[0], weight, bias, [node, *nodes], value)
 
 
+def _not_constant(value: ir.Value | None) -> ir.Value | None:
+    """The graph input or computed value that keeps a weight from being constant, else None."""
+    if value is None:
+        return None
+    if value.is_graph_input() or (value.const_value is None and value.producer() is None):
+        return value
+    if value.const_value is not None:
+        return None
+    dq = value.producer()
+    if dq.op_type == "DequantizeLinear" and dq.domain in _STD:
+        return next((v for v in dq.inputs if v is not None and _not_constant(v) is v), None)
+    return value
+
+
+def refuse_bad_projection(value: ir.Value, fc: str) -> None:
+    """Refuse, naming part ``fc``, a ``MatMul`` / ``MatMulNBits`` that is not a projection.
+
+    Returns when ``value`` is no such product at all (the caller says what it is instead; an
+    ``Add`` of a bias that does not fit is read as the activation's). ``fc`` is ``"fc1"`` or
+    ``"fc2"``.
+    """
+    node = value.producer()
+    if node is None or node.op_type not in ("MatMul", "MatMulNBits"):
+        return
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    blocker = _not_constant(weight)
+    with part(fc):
+        if blocker is not None:
+            where = "a graph input" if blocker.is_graph_input() else "computed in the graph"
+            raise Refusal(
+                f"{fc.upper()} expert weights not constant: '{blocker.name}' is {where}, so they "
+                "cannot be stacked into the fused layout at fusion time",
+                blocker,
+            )
+        raise Refusal(
+            f"{label(node)}: the {fc.upper()} projection's weights or bias are not ones the "
+            "fused experts take (a float initializer or a DequantizeLinear of initializers, "
+            "a bias of one row)",
+            node,
+        )
+
+
 def _const_key(value: ir.Value) -> tuple:
     arr = const_array(value)
     if arr is None:
@@ -224,8 +270,11 @@ class _MLPReader:
             self.fc1_index[id(value)] = len(self.fc1)
             self.fc1.append(proj)
             return ("fc1", self.fc1_index[id(value)])
+        refuse_bad_projection(value, "fc1")
         if node is None or value.is_graph_input():
-            raise Refusal(f"the activation reads {value.name}, which is not an FC1 projection")
+            raise Refusal(
+                f"the activation reads {value.name}, which is not an FC1 projection", value
+            )
         self.activation_node(node, depth)
         return ("act", self.node_index[id(node)], value.index())
 
@@ -235,16 +284,16 @@ class _MLPReader:
         if not (
             node.domain in ("", "ai.onnx") and op in _ELEMENTWISE | {"Slice", "Split"}
         ) and not (ms and op in _MS_ELEMENTWISE):
-            raise Refusal(f"{label(node)}: {op} is not a per-row activation op")
+            raise Refusal(f"{label(node)}: {op} is not a per-row activation op", node)
         inputs: list[tuple | None] = []
         for pos, v in enumerate(node.inputs):
             if op in ("Slice", "Split") and pos >= 1 and v is not None and not is_const(v):
-                raise Refusal(f"{label(node)}: cuts FC1 at positions that are not constant")
+                raise Refusal(f"{label(node)}: cuts FC1 at positions that are not constant", node)
             if v is not None and is_const(v):
                 arr = const_array(v)
                 per_row_operand = op in ("Slice", "Split") and pos >= 1
                 if arr is None or (not per_row_operand and arr.size != 1):
-                    raise Refusal(f"{label(node)}: a constant operand that is not a scalar")
+                    raise Refusal(f"{label(node)}: a constant operand that is not a scalar", node)
                 inputs.append(_const_key(v))
             else:
                 inputs.append(self.ref(v, depth + 1))
@@ -259,12 +308,12 @@ class _MLPReader:
         if node.op_type == "Split":
             axis = normalize_axes([attr_int(node, "axis", 0)], self.rank)
             if axis != [self.rank - 1]:
-                raise Refusal(f"{label(node)}: Split along an axis that is not the last")
+                raise Refusal(f"{label(node)}: Split along an axis that is not the last", node)
             return "last"
         if node.op_type == "Slice":
             axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
             if axes is None or normalize_axes(axes, self.rank) != [self.rank - 1]:
-                raise Refusal(f"{label(node)}: Slice along an axis that is not the last")
+                raise Refusal(f"{label(node)}: Slice along an axis that is not the last", node)
             return "last"
         return None
 
@@ -273,11 +322,14 @@ def read_mlp(out: ir.Value, rank: int) -> ExpertMLP:
     """Read ``out`` as ``FC2(act(FC1...))`` on values of ``rank``; refuses anything else."""
     fc2 = _projection(out)
     if fc2 is None:
-        raise Refusal(f"{out.name}: not MatMul(activation, constant weights) (+ bias)")
+        refuse_bad_projection(out, "fc2")
+        with part("fc2"):
+            raise Refusal(f"{out.name}: not MatMul(activation, constant weights) (+ bias)", out)
     reader = _MLPReader(rank)
-    act_ref = reader.ref(fc2.lhs)
-    if not reader.fc1:
-        raise Refusal(f"{out.name}: no FC1 projection before the FC2 projection")
+    with part("activation"):
+        act_ref = reader.ref(fc2.lhs)
+        if not reader.fc1:
+            raise Refusal(f"{out.name}: no FC1 projection before the FC2 projection", out)
     proj_sig = tuple(
         (p.weight.signature(), None if p.bias is None else p.bias.const_value.shape)
         for p in (*reader.fc1, fc2)

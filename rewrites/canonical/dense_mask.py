@@ -1,19 +1,23 @@
-"""Read the routing and the mask of a dense MoE layer, proving what they compute.
+"""Read the mask of a dense MoE layer, proving what it computes.
 
-Used by :mod:`.dense_experts`. Starting from one ``TopK`` (values ``v``, indices ``idx``, both
-``[T, k]`` over a router of width E), a dense layer builds the dense routing weights
-``dense[t, e] = sum_j (idx[t, j] == e) * w[t, j]`` with ``w`` computed from ``v`` per token,
-in one of these forms:
+Used by :mod:`.dense_experts`, after :mod:`.dense_routing` has read the TopK (values ``v``,
+indices ``idx``, both ``[T, k]``, over a router of width E). A dense layer builds the dense
+routing weights ``dense[t, e] = sum_j (idx[t, j] == e) * w[t, j]`` with ``w`` computed from
+``v``, in one of these forms:
 
 * per expert, ``ReduceSum(Mul(Cast(Equal(idx, e)), w), -1, keepdims=1)`` -> ``[T, 1]``
   (Mobius, transformers' static loop); ``keepdims=0`` then ``Unsqueeze(-1)`` too;
-* ``ReduceSum(Mul(OneHot(idx, E, [0, 1]), Unsqueeze(w, -1)), 1, keepdims=0)`` -> ``[T, E]``;
+* ``ReduceSum(Mul(onehot, Unsqueeze(w, -1)), 1, keepdims=0)`` -> ``[T, E]``, the ``[T, k, E]``
+  one-hot spelled ``OneHot(idx, E, [0, 1])`` (a Cast after it allowed) or
+  ``Cast(Equal(Unsqueeze(idx, -1), arange(E)))`` (every id compared with the ``[E]`` range at
+  once, as optimum-onnx and Mobius write it);
 * ``ScatterElements(zeros [T, E], idx, w, axis=1)`` -> ``[T, E]``: equal to the sum above
   because TopK's k indices of one row are distinct (no write overwrites another).
 
-Every structural constant (axes, depth, OneHot values, Equal constants, Cast type) is checked;
-a failed proof raises :class:`~onnx_moe_fuse.rewrites._graph_facts.Refusal`. The combine that
-consumes the mask is read by :mod:`.dense_combine`.
+Every structural constant (axes, depth, OneHot values, the range, Cast type) is checked; a
+failed proof raises :class:`~onnx_moe_fuse.rewrites._graph_facts.Refusal` tagged part
+``combine`` (the mask is the combine's weights; :func:`.dense_consts.part`)
+with the node at fault. The combine that consumes the mask is read by :mod:`.dense_combine`.
 """
 
 from __future__ import annotations
@@ -23,46 +27,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from .._graph_facts import (
-    Refusal,
-    attr_int,
-    attr_str,
-    label,
-    normalize_axes,
-    static_last_dim,
-    static_rank,
+from .._graph_facts import Refusal, attr_int, attr_str, label
+from .dense_consts import (
+    STD,
+    axes_are,
+    const_array,
+    const_ints,
+    consumers,
+    is_op,
+    only_consumer,
+    other_operand,
+    part,
 )
-from .dense_consts import const_array, const_ints, node_axes
+from .dense_routing import Routing, check_weights
 
-__all__ = [
-    "DenseWeights",
-    "Routing",
-    "axes_are",
-    "consumers",
-    "is_op",
-    "only_consumer",
-    "other_operand",
-    "read_dense_weights",
-    "read_routing",
-]
+__all__ = ["DenseWeights", "mask_users", "read_dense_weights"]
 
-_STD = ("", "ai.onnx")
 _FLOAT_TYPES = frozenset(
     int(t)
     for t in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)
 )
-
-
-@dataclass
-class Routing:
-    """One TopK over the last axis of ``[T, E]`` scores computed from the ``tokens``."""
-
-    topk: ir.Node
-    indices: ir.Value
-    values: ir.Value
-    experts: int
-    k: int
-    tokens: ir.Value
+#: Ops through which the expert ids reach a mask.
+MASK_OPS = ("Equal", "OneHot", "ScatterElements")
 
 
 @dataclass
@@ -75,108 +61,20 @@ class DenseWeights:
     nodes: list[ir.Node] = field(default_factory=list)
 
 
-def is_op(node: ir.Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in _STD
+def _unsqueezed_ids(node: ir.Node, indices: ir.Value) -> bool:
+    """``Unsqueeze(idx, -1)``: the ``[T, k, 1]`` ids an all-at-once ``Equal`` compares."""
+    return is_op(node, "Unsqueeze") and node.inputs[0] is indices and axes_are(node, 3, [2])
 
 
-def consumers(value: ir.Value) -> list[ir.Node]:
-    return list(dict.fromkeys(value.consumers()))
-
-
-def only_consumer(value: ir.Value, what: str) -> ir.Node:
-    users = consumers(value)
-    if len(users) != 1 or value.is_graph_output():
-        raise Refusal(f"{value.name}: {what} is used {len(users)} times, expected once")
-    return users[0]
-
-
-def other_operand(node: ir.Node, value: ir.Value) -> ir.Value | None:
-    a, b = node.inputs[0], node.inputs[1]
-    return b if a is value else a
-
-
-def axes_are(node: ir.Node, rank: int, want: list[int]) -> bool:
-    axes = node_axes(node)
-    return axes is not None and normalize_axes(axes, rank) == want
-
-
-def read_routing(topk: ir.Node) -> Routing:
-    """Prove ``topk`` selects k of E experts over the last axis of router scores of the tokens."""
-    scores = topk.inputs[0]
-    k = const_ints(topk.inputs[1]) if len(topk.inputs) > 1 else None
-    if scores is None or static_rank(scores) != 2:
-        raise Refusal("the router scores are not provably [T, E]")
-    if attr_int(topk, "axis", -1) not in (-1, 1) or attr_int(topk, "largest", 1) != 1:
-        raise Refusal("TopK is not a largest-k selection over the expert axis")
-    experts = static_last_dim(scores)
-    if k is None or len(k) != 1 or experts is None or not 1 <= k[0] <= experts:
-        raise Refusal("cannot prove k and the number of experts E of the router")
-    tokens = _router_tokens(scores)
-    if tokens is None or static_rank(tokens) != 2:
-        raise Refusal("cannot prove that the router reads [T, H] tokens")
-    return Routing(topk, topk.outputs[1], topk.outputs[0], experts, k[0], tokens)
-
-
-def _router_tokens(scores: ir.Value) -> ir.Value | None:
-    """The tokens of ``[MatMul | Gemm](tokens, W)`` behind the scores, through row-wise ops.
-
-    Only Softmax / Sigmoid / Cast / Identity and an Add of a constant lie between: each keeps
-    the rows, so the scores have one row per token of those tokens.
-    """
-    value = scores
-    for _ in range(8):
-        node = value.producer()
-        if node is None or node.domain not in _STD:
-            return None
-        if node.op_type == "MatMul" or (node.op_type == "Gemm" and not attr_int(node, "transA", 0)):
-            return node.inputs[0]
-        if node.op_type in ("Softmax", "Sigmoid", "Cast", "Identity"):
-            value = node.inputs[0]
-        elif node.op_type == "Add":
-            a, b = node.inputs[0], node.inputs[1]
-            value = a if const_array(b) is not None else b if const_array(a) is not None else None
-        else:
-            return None
-        if value is None:
-            return None
-    return None
-
-
-def _check_weights(w: ir.Value, routing: Routing) -> None:
-    """``w`` is computed from the TopK's values per token, keeping their ``[T, k]`` shape."""
-    seen_values = False
-    todo, seen = [w], set()
-    while todo:
-        v = todo.pop()
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        if v is routing.values:
-            seen_values = True
-            continue
-        if const_array(v) is not None and const_array(v).size == 1:
-            continue
-        p = v.producer()
-        ok = (
-            p is not None
-            and p.domain in _STD
-            and (
-                p.op_type in ("Div", "Mul", "Reciprocal", "Identity", "Cast")
-                or (p.op_type == "Softmax" and attr_int(p, "axis", -1) in (-1, 1))
-                or (
-                    p.op_type == "ReduceSum"
-                    and attr_int(p, "keepdims", 1) == 1
-                    and axes_are(p, 2, [1])
-                )
-            )
-        )
-        if not ok:
-            raise Refusal(
-                f"the mask is weighted by {v.name}, which is not computed from this TopK's values"
-            )
-        todo.extend(i for i in p.inputs if i is not None)
-    if not seen_values:
-        raise Refusal("the mask weights do not come from this TopK's values")
+def mask_users(indices: ir.Value) -> list[ir.Node]:
+    """The mask nodes the expert ids feed (through ``Unsqueeze(-1)`` for an ``Equal``)."""
+    out = []
+    for user in consumers(indices):
+        if user.op_type in MASK_OPS and user.domain in STD:
+            out.append(user)
+        elif _unsqueezed_ids(user, indices):
+            out += [n for n in consumers(user.outputs[0]) if is_op(n, "Equal")]
+    return out
 
 
 def _equal_column(
@@ -185,55 +83,98 @@ def _equal_column(
     """``Equal(idx, e) -> Cast -> Mul(w) -> ReduceSum(-1)``: (e, the [T, 1] column, w)."""
     const = const_ints(other_operand(eq, routing.indices))
     if const is None or len(const) != 1:
-        raise Refusal(f"{label(eq)}: compares the expert ids with a non-constant or non-scalar")
+        raise Refusal(f"{label(eq)}: compares the expert ids with a non-constant or non-scalar", eq)
     cast = only_consumer(eq.outputs[0], "the Equal mask")
     if not is_op(cast, "Cast") or attr_int(cast, "to", 0) not in _FLOAT_TYPES:
-        raise Refusal(f"{label(eq)}: the mask is not Cast to a float type")
+        raise Refusal(f"{label(eq)}: the mask is not Cast to a float type", eq)
     mul = only_consumer(cast.outputs[0], "the float mask")
     if not is_op(mul, "Mul"):
-        raise Refusal(f"{label(cast)}: the mask is not multiplied by the routing weights")
+        raise Refusal(f"{label(cast)}: the mask is not multiplied by the routing weights", cast)
     w = other_operand(mul, cast.outputs[0])
-    _check_weights(w, routing)
+    check_weights(w, routing)
     red = only_consumer(mul.outputs[0], "the weighted mask")
     if not is_op(red, "ReduceSum") or not axes_are(red, 2, [1]):
-        raise Refusal(f"{label(mul)}: the weighted mask is not summed over the k slots")
+        raise Refusal(f"{label(mul)}: the weighted mask is not summed over the k slots", mul)
     nodes += [eq, cast, mul, red]
     col = red.outputs[0]
     if attr_int(red, "keepdims", 1) == 0:
         unsq = only_consumer(col, "the expert's weight")
         if not is_op(unsq, "Unsqueeze") or not axes_are(unsq, 2, [1]):
-            raise Refusal(f"{label(red)}: the expert's weight is not made a [T, 1] column")
+            raise Refusal(f"{label(red)}: the expert's weight is not made a [T, 1] column", red)
         nodes.append(unsq)
         col = unsq.outputs[0]
     return const[0], col, w
 
 
-def _onehot_dense(oh: ir.Node, routing: Routing, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value]:
+def _onehot_of_ids(oh: ir.Node, routing: Routing, nodes: list[ir.Node]) -> ir.Value:
+    """``OneHot(idx, E, [0, 1], axis=-1)``: the ``[T, k, E]`` one-hot (a Cast after it kept)."""
     depth, values = const_ints(oh.inputs[1]), const_array(oh.inputs[2])
     if depth != [routing.experts] or values is None or values.reshape(-1).tolist() != [0, 1]:
         raise Refusal(
-            f"{label(oh)}: not a one-hot of depth E = {routing.experts} with values [0, 1]"
+            f"{label(oh)}: not a one-hot of depth E = {routing.experts} with values [0, 1]", oh
         )
     if attr_int(oh, "axis", -1) not in (-1, 2):
-        raise Refusal(f"{label(oh)}: the one-hot axis is not the last")
+        raise Refusal(f"{label(oh)}: the one-hot axis is not the last", oh)
     nodes.append(oh)
     out = oh.outputs[0]
     user = only_consumer(out, "the one-hot mask")
     if is_op(user, "Cast"):
+        if attr_int(user, "to", 0) not in _FLOAT_TYPES:
+            raise Refusal(f"{label(user)}: the one-hot mask is not Cast to a float type", user)
         nodes.append(user)
         out = user.outputs[0]
-        user = only_consumer(out, "the one-hot mask")
+    return out
+
+
+def _range_of_experts(value: ir.Value | None, experts: int) -> bool:
+    """A constant ``[0, 1, .., E-1]`` laid along the last axis (``[E]``, ``[1, E]``, ``[1, 1, E]``)."""
+    arr = const_array(value)
+    if arr is None or arr.ndim > 3 or arr.size != experts or arr.shape[-1] != experts:
+        return False
+    return np.issubdtype(arr.dtype, np.integer) and arr.reshape(-1).tolist() == list(range(experts))
+
+
+def _equal_of_ids(eq: ir.Node, routing: Routing, nodes: list[ir.Node]) -> ir.Value:
+    """``Cast(Equal(Unsqueeze(idx, -1), arange(E)))``: the ``[T, k, E]`` one-hot, any order."""
+    unsq = next(
+        (v.producer() for v in eq.inputs if _unsqueezed_ids(v.producer(), routing.indices)), None
+    )
+    ids = unsq.outputs[0]
+    if not _range_of_experts(other_operand(eq, ids), routing.experts):
+        raise Refusal(
+            f"{label(eq)}: compares the expert ids with something other than the range "
+            f"0..{routing.experts - 1} of the E experts",
+            eq,
+        )
+    cast = only_consumer(eq.outputs[0], "the Equal mask")
+    if not is_op(cast, "Cast") or attr_int(cast, "to", 0) not in _FLOAT_TYPES:
+        raise Refusal(f"{label(eq)}: the mask is not Cast to a float type", eq)
+    nodes += [eq, cast]
+    if len(consumers(ids)) == 1 and not ids.is_graph_output():
+        nodes.append(unsq)
+    return cast.outputs[0]
+
+
+def _weighted_onehot(
+    onehot: ir.Value, routing: Routing, nodes: list[ir.Node]
+) -> tuple[ir.Value, ir.Value]:
+    """``ReduceSum(Mul(onehot, Unsqueeze(w, -1)), 1, keepdims=0)``: (the ``[T, E]`` mask, w)."""
+    user = only_consumer(onehot, "the one-hot mask")
     if not is_op(user, "Mul"):
-        raise Refusal(f"{label(oh)}: the one-hot mask is not multiplied by the routing weights")
-    w3 = other_operand(user, out)
+        raise Refusal(
+            f"{label(user)}: the one-hot mask is not multiplied by the routing weights", user
+        )
+    w3 = other_operand(user, onehot)
     unsq = w3.producer() if w3 is not None else None
     if not is_op(unsq, "Unsqueeze") or not axes_are(unsq, 3, [2]):
-        raise Refusal(f"{label(user)}: the routing weights are not made [T, k, 1]")
+        raise Refusal(f"{label(user)}: the routing weights are not made [T, k, 1]", user)
     w = unsq.inputs[0]
-    _check_weights(w, routing)
+    check_weights(w, routing)
     red = only_consumer(user.outputs[0], "the weighted one-hot mask")
     if not is_op(red, "ReduceSum") or not axes_are(red, 3, [1]) or attr_int(red, "keepdims", 1):
-        raise Refusal(f"{label(user)}: the weighted one-hot is not summed over the k slots")
+        raise Refusal(
+            f"{label(user)}: the weighted one-hot is not summed over the k slots", red or user
+        )
     nodes += [user, red]
     if len(consumers(w3)) == 1 and not w3.is_graph_output():
         nodes.append(unsq)
@@ -243,7 +184,7 @@ def _onehot_dense(oh: ir.Node, routing: Routing, nodes: list[ir.Node]) -> tuple[
 def _zeros_like_scores(z: ir.Value | None, routing: Routing) -> bool:
     """``z`` is zeros of the router scores' shape ``[T, E]``."""
     node = z.producer() if z is not None else None
-    if node is None or node.domain not in _STD:
+    if node is None or node.domain not in STD:
         return False
     if node.op_type == "ConstantOfShape":
         attr = node.attributes.get("value")
@@ -270,51 +211,63 @@ def _scatter_dense(
     sc: ir.Node, routing: Routing, nodes: list[ir.Node]
 ) -> tuple[ir.Value, ir.Value]:
     if sc.inputs[1] is not routing.indices:
-        raise Refusal(f"{label(sc)}: the expert ids are not the scatter indices")
+        raise Refusal(f"{label(sc)}: the expert ids are not the scatter indices", sc)
     if attr_int(sc, "axis", 0) not in (1, -1) or attr_str(sc, "reduction", "none") != "none":
-        raise Refusal(f"{label(sc)}: not a plain scatter along the expert axis")
+        raise Refusal(f"{label(sc)}: not a plain scatter along the expert axis", sc)
     w = sc.inputs[2]
-    _check_weights(w, routing)
+    check_weights(w, routing)
     if not _zeros_like_scores(sc.inputs[0], routing):
-        raise Refusal(f"{label(sc)}: the scatter target is not zeros of the router's [T, E] shape")
+        raise Refusal(
+            f"{label(sc)}: the scatter target is not zeros of the router's [T, E] shape", sc
+        )
     nodes.append(sc)
     return sc.outputs[0], w
 
 
 def read_dense_weights(routing: Routing) -> DenseWeights | None:
     """The mask built from ``routing``'s indices; None when they feed no mask at all."""
-    users = consumers(routing.indices)
-    equals = [n for n in users if is_op(n, "Equal")]
-    onehots = [n for n in users if is_op(n, "OneHot") and n.inputs[0] is routing.indices]
-    scatters = [n for n in users if is_op(n, "ScatterElements")]
-    if not (equals or onehots or scatters):
+    masks = mask_users(routing.indices)
+    if not masks:
         return None
-    if (
-        len(users) != len(equals) + len(onehots) + len(scatters)
-        or routing.indices.is_graph_output()
-    ):
-        raise Refusal("the expert ids feed something besides the mask")
+    with part("combine"):
+        return _read_mask(routing, masks)
+
+
+def _read_mask(routing: Routing, masks: list[ir.Node]) -> DenseWeights:
+    idx = routing.indices
+    per_expert = [n for n in masks if is_op(n, "Equal") and idx in n.inputs]
+    at_once = [n for n in masks if n not in per_expert]
+    direct = [n for n in consumers(idx) if n.op_type in MASK_OPS or _unsqueezed_ids(n, idx)]
+    if len(direct) != len(consumers(idx)) or idx.is_graph_output():
+        raise Refusal("the expert ids feed something besides the mask", routing.topk)
     nodes: list[ir.Node] = []
-    if equals and not (onehots or scatters):
+    if per_expert and not at_once:
         columns: dict[int, ir.Value] = {}
         weights: set[int] = set()
         w = None
-        for eq in equals:
+        for eq in per_expert:
             e, col, w = _equal_column(eq, routing, nodes)
             if e in columns:
-                raise Refusal(f"expert {e} has two masks")
+                raise Refusal(f"expert {e} has two masks", eq)
             columns[e] = col
             weights.add(id(w))
         if len(weights) != 1:
-            raise Refusal("the experts' masks are weighted by different values")
+            raise Refusal("the experts' masks are weighted by different values", routing.topk)
         missing = sorted(set(range(routing.experts)) - set(columns))
         if missing or len(columns) != routing.experts:
-            raise Refusal(f"no mask for experts {missing} of E = {routing.experts}")
+            raise Refusal(f"no mask for experts {missing} of E = {routing.experts}", routing.topk)
         return DenseWeights(w, columns, None, nodes)
-    if len(onehots) + len(scatters) != 1 or equals:
-        raise Refusal("the expert ids feed more than one mask")
-    if onehots:
-        dense, w = _onehot_dense(onehots[0], routing, nodes)
+    if len(at_once) != 1 or per_expert:
+        raise Refusal("the expert ids feed more than one mask", routing.topk)
+    (mask,) = at_once
+    if is_op(mask, "ScatterElements"):
+        dense, w = _scatter_dense(mask, routing, nodes)
     else:
-        dense, w = _scatter_dense(scatters[0], routing, nodes)
+        if is_op(mask, "OneHot"):
+            if mask.inputs[0] is not idx:
+                raise Refusal(f"{label(mask)}: the expert ids are not what is one-hot", mask)
+            onehot = _onehot_of_ids(mask, routing, nodes)
+        else:
+            onehot = _equal_of_ids(mask, routing, nodes)
+        dense, w = _weighted_onehot(onehot, routing, nodes)
     return DenseWeights(w, None, dense, nodes)

@@ -20,6 +20,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.oracles.quant import unpack_bits, unpack_matmul_nbits, zero_point
 
 from .._graph_facts import attr_int
+from ..tensor_reads import read_array
 
 __all__ = ["MS_DOMAIN", "nbits_dequantize_arrays", "nbits_geometry", "nbits_is_supported"]
 
@@ -80,7 +81,7 @@ def nbits_dequantize_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.n
     """
     k, n, bits, block = nbits_geometry(node)
     k_blocks = -(-k // block)
-    codes = unpack_matmul_nbits(node.inputs[1].const_value.numpy(), k, bits, block)
+    codes = unpack_matmul_nbits(read_array(node.inputs[1].const_value), k, bits, block)
     scales = node.inputs[2].const_value.numpy().reshape(n, k_blocks)
     zp_value = node.inputs[3] if len(node.inputs) > 3 else None
     if zp_value is None:

@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._graph_facts import attr_int
+from ..tensor_reads import read_array
 from .dense_ffn import Projection, WeightSource
 from .dense_nbits import nbits_dequantize_arrays, nbits_geometry
 
@@ -50,7 +51,7 @@ def _stack_dequantize(sources: list[WeightSource]) -> StackedWeight:
     scale0 = dq0.inputs[1].const_value
 
     def stack(pos: int) -> np.ndarray:
-        arrays = [s.dequantize.inputs[pos].const_value.numpy() for s in sources]
+        arrays = [read_array(s.dequantize.inputs[pos].const_value) for s in sources]
         arr = np.stack(arrays)
         if scale0.size == 1:  # per tensor -> per expert
             return arr.reshape(len(sources)) if pos else arr
@@ -96,7 +97,7 @@ def stack_weights(sources: list[WeightSource], stacked: bool) -> StackedWeight:
         return _stack_nbits(sources)
     if sources[0].dequantize is not None:
         return _stack_dequantize(sources)
-    return StackedWeight(array=np.stack([s.value.const_value.numpy() for s in sources]))
+    return StackedWeight(array=np.stack([read_array(s.value.const_value) for s in sources]))
 
 
 def stack_bias(projections: list[Projection], experts: int) -> np.ndarray | None:

@@ -29,9 +29,12 @@ shares them with the original model). A node whose output is a graph output, or 
 cannot prove foldable, is left as it is.
 
 Memory: a folded weight (rule 1) and a pushed DQ's quantized data (rule 2) are lazy tensors
-(``ir.LazyTensor``) that compute their numbers when first read and then keep them, so folding
-the transposed weights of a whole model costs nothing until a layer rule reads the weights of a
-layer it fuses; only the small scales and zero points of a push are computed at once.
+(``ir.LazyTensor``) that compute their numbers each time they are read and keep nothing, so
+folding the transposed weights of a whole model costs nothing, and a layer rule that reads the
+weights of the layer it fuses holds them only while it reads them (caching them would keep every
+fused layer's weights in the working copy until the end: memory growing with the model); only
+the small scales and zero points of a push are computed at once. Source tensors are read through
+:func:`~onnx_moe_fuse.rewrites.tensor_reads.read_array`, which leaves external data unmapped.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites.canonical import weight_dq_push as dq
 from onnx_moe_fuse.rewrites.canonical import weight_layout_ops as ops
 from onnx_moe_fuse.rewrites.canonical.fresh_names import FreshNames
+from onnx_moe_fuse.rewrites.tensor_reads import read_array
 
 __all__ = ["FoldWeightLayoutPass"]
 
@@ -167,12 +171,12 @@ class FoldWeightLayoutPass(ir.passes.InPlacePass):
     def _reader(self, tensor: ir.TensorProtocol) -> Callable[[], np.ndarray]:
         """How to get ``tensor``'s array: for a fold of this pass, straight from its inputs."""
         known = self._computations.get(id(tensor))
-        return known[1] if known is not None else tensor.numpy
+        return known[1] if known is not None else lambda: read_array(tensor)
 
     def _lazy_tensor(
         self, folded: ops.FoldedOutput, readers: Sequence[Callable[[], np.ndarray]]
     ) -> ir.LazyTensor:
-        """A tensor that computes ``folded`` from its inputs when first read, then keeps it.
+        """A tensor that computes ``folded`` from its inputs each time it is read.
 
         Folding does not read weights: only those a later rule (or serialisation) reads are
         computed, so the weights of layers that never fuse cost no memory. A chain of folds
@@ -186,7 +190,7 @@ class FoldWeightLayoutPass(ir.passes.InPlacePass):
             lambda: ir.Tensor(compute(), dtype=folded.dtype),
             folded.dtype,
             ir.Shape(folded.shape),
-            cache=True,
+            cache=False,  # a rule reads a layer's weights transiently: keep nothing
         )
         self._computations[id(tensor)] = (tensor, compute)
         return tensor

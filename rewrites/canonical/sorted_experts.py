@@ -32,6 +32,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites._graph_facts import label
+from onnx_moe_fuse.rewrites.tensor_reads import read_array
 
 from .sorted_proof import (
     SortedBlock,
@@ -157,11 +158,17 @@ class _Builder:
         """The stacked weight K-major ``[E, K, N]``: as it is, or transposed into a new one."""
         if not weight.transposed:
             return weight.value
-        array = np.ascontiguousarray(np.swapaxes(weight.value.const_value.numpy(), 1, 2))
+        source = weight.value.const_value
+        e, n, k = source.shape
         name = self.names(weight.value.name)
-        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+
+        def transposed() -> ir.TensorProtocol:  # read when a rule reads it, kept by nobody
+            return ir.tensor(np.ascontiguousarray(np.swapaxes(read_array(source), 1, 2)))
+
+        lazy = ir.LazyTensor(transposed, source.dtype, ir.Shape([e, k, n]), name=name)
+        value = ir.Value(name=name, const_value=lazy)
         value.type = ir.TensorType(weight.value.dtype)
-        value.shape = ir.Shape(array.shape)
+        value.shape = ir.Shape([e, k, n])
         self.graph.register_initializer(value)
         return value
 

@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites._graph_facts import attr_int
 from onnx_moe_fuse.rewrites.canonical.weight_layout_ops import take_kept
+from onnx_moe_fuse.rewrites.tensor_reads import read_array
 
 __all__ = [
     "is_constant",
@@ -110,7 +111,7 @@ def _array(operand: Operand) -> np.ndarray:
         return operand
     if isinstance(operand, LazyArray):
         return operand.compute()
-    return const_tensor(operand).numpy()
+    return read_array(const_tensor(operand))
 
 
 def _shape(operand: Operand) -> tuple[int, ...]:

@@ -1,11 +1,12 @@
-"""Hand-written MoE layers in the dense all-experts form, and their numpy reference.
+"""Hand-written MoE layers in the dense all-experts form (their reference: ``dense_spec``).
 
 The dense form computes EVERY expert on every token and masks afterwards, as optimum-onnx's
 Qwen3-MoE / gpt-oss exports and onnxruntime's Mobius fallback do. :func:`build_dense` writes one
 such layer (ONNX text through the samples' :class:`GraphText`, weights from a seeded generator):
 
 * routing: ``Softmax(MatMul(x, router))``, ``TopK(k)``, renormalised (``Div(v, ReduceSum(v))``)
-  or the top-k probabilities as they are;
+  or the top-k probabilities as they are; or (``topk_softmax_axis``) ``TopK`` of the logits
+  and a ``Softmax`` of the k values;
 * ``form="unrolled"``: E separate expert MLPs ``[H, N]``; per expert a mask
   ``ReduceSum(Mul(Cast(Equal(idx, e)), w), -1)``; combine ``Add`` chain of ``Mul(y_e, mask_e)``;
 * ``form="onehot"``: one batched MLP over stacked weights ``[E, H, N]`` (tokens broadcast to
@@ -13,149 +14,45 @@ such layer (ONNX text through the samples' :class:`GraphText`, weights from a se
   ``ReduceSum(Mul(OneHot(idx, E), Unsqueeze(w)), 1)``;
   combine ``ReduceSum(Mul(Y, Unsqueeze(Transpose(dense))), 0)``;
 * ``form="scatter"``: stacked MLP; dense weights ``ScatterElements(zeros [T, E], idx, w, 1)``;
-  combine ``Squeeze(MatMul(Unsqueeze(dense, 1), Transpose(Y, [1, 0, 2])), 1)``.
+  combine ``Squeeze(MatMul(Unsqueeze(dense, 1), Transpose(Y, [1, 0, 2])), 1)``;
+* ``form="equal"``: stacked MLP; the one-hot as ``Cast(Equal(Unsqueeze(idx, -1), arange(E)))``
+  (the ``variant`` spelling: the range ``[1, 1, E]`` first), then as ``onehot``.
+
+``einsum_combine`` (onehot, equal) combines by ``Einsum("te,eth->th", dense, Y)`` instead.
 
 Experts are SwiGLU (separate gate and up), Relu or tanh Gelu, weights float or int4 blocked
 along K behind ``DequantizeLinear``, or (unrolled) ``com.microsoft.MatMulNBits`` experts as
 Mobius writes them, with or without biases. The near-miss knobs build what the
 canonicalisation must refuse: the mask from another TopK's indices, one expert with another
-activation, one expert missing.
+activation, one expert missing; and the generator's mutations that only the router or the
+weights break: a TopK over the token axis, a router over a second input or over the tokens
+reversed, stacked FC1 weights that are a graph input.
 """
 
 from __future__ import annotations
 
 import re
-import zlib
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import onnx
+from dense_spec import (
+    BLOCK,
+    OSS_ALPHA,
+    OSS_LIMIT,
+    DenseSpec,
+    draw_weights,
+    odd_activation,
+    reference,
+)
 
 from onnx_moe_fuse.oracles.quant import pack_matmul_nbits
 from onnx_moe_fuse.samples._text import GraphText
-from onnx_moe_fuse.samples._weights import quantize_int4_blocked
 
-Form = Literal["unrolled", "onehot", "scatter"]
-Activation = Literal["swiglu", "swiglu_oss", "relu", "gelu"]
+__all__ = ["DenseSpec", "build_dense", "draw_weights", "reference", "with_int8_experts"]
+
 OPSET = 21  # blocked DequantizeLinear
 INT64_MAX = 9223372036854775807
-OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
-BLOCK = 16
 MS = "com.microsoft"
-
-
-@dataclass(frozen=True)
-class DenseSpec:
-    """One dense layer; every random tensor comes from ``seed``."""
-
-    form: Form = "unrolled"
-    activation: Activation = "swiglu"
-    renorm: bool = True
-    int4: bool = False
-    nbits: bool = False  # unrolled only: experts are com.microsoft.MatMulNBits (Mobius)
-    variant: bool = False  # the other spellings: operand orders, keepdims=0, Add tree, Expand
-    bias: bool = False
-    experts: int = 4
-    top_k: int = 2
-    hidden: int = 32
-    inter: int = 16
-    seed: int = 0
-    # near misses
-    mask_from_other_topk: bool = False
-    odd_expert_activation: int | None = None  # this expert uses another activation
-    missing_expert: int | None = None  # this expert (MLP, mask, term) is left out
-
-    @property
-    def key(self) -> int:
-        """The seed of the weight generator (every field counts)."""
-        return zlib.crc32(repr(self).encode())
-
-
-def draw_weights(spec: DenseSpec) -> dict[str, np.ndarray]:
-    """The float parameters: router ``[H, E]``, stacked experts ``[E, K, N]``, biases."""
-    rng = np.random.default_rng(spec.key)
-    e, h, i = spec.experts, spec.hidden, spec.inter
-
-    def normal(shape, scale):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    p = {"router": normal((h, e), 1.0), "router2": normal((h, e), 1.0)}
-    names = ("gate", "up") if spec.activation == "swiglu" else ("fc1",)
-    width, std = (2 * i, 4.0) if spec.activation == "swiglu_oss" else (i, 1.0)  # oss: clamps
-    for n in names:
-        p[n] = normal((e, h, width), std / np.sqrt(h))
-        p[f"{n}_bias"] = normal((e, width), 0.1)
-    p["down"] = normal((e, i, h), 1.0 / np.sqrt(i))
-    p["down_bias"] = normal((e, h), 0.1)
-    if spec.int4 or spec.nbits:  # the model computes with the dequantized weights: so does numpy
-        for n in (*names, "down"):
-            codes, scale = quantize_int4_blocked(p[n], BLOCK)
-            p[f"{n}_q"], p[f"{n}_s"] = codes, scale
-            k = p[n].shape[1]
-            p[n] = codes.astype(np.float32) * np.repeat(scale, BLOCK, axis=1)[:, :k]
-    return p
-
-
-def _activation(kind: str, gate: np.ndarray, up: np.ndarray | None) -> np.ndarray:
-    if kind == "swiglu":
-        return gate / (1.0 + np.exp(-gate)) * up
-    if kind == "swiglu_tanh":
-        return gate * np.tanh(gate) * up
-    if kind.startswith("swiglu_oss"):  # gpt-oss: strided halves, clamped, alpha, up + 1
-        alpha = OSS_ALPHA if kind == "swiglu_oss" else 1.0
-        g = np.minimum(gate[..., ::2], OSS_LIMIT)
-        lin = np.clip(gate[..., 1::2], -OSS_LIMIT, OSS_LIMIT)
-        return g / (1.0 + np.exp(-alpha * g)) * (lin + 1.0)
-    if kind == "relu":
-        return np.maximum(gate, 0.0)
-    c = np.sqrt(2.0 / np.pi)
-    return 0.5 * gate * (1.0 + np.tanh(c * (gate + 0.044715 * gate**3)))
-
-
-def reference(spec: DenseSpec, x: np.ndarray) -> np.ndarray:
-    """numpy: the dense layer of ``spec`` on tokens ``x [T, H]`` (float64)."""
-    p = {k: v.astype(np.float64) for k, v in draw_weights(spec).items() if v.dtype == np.float32}
-    x = x.astype(np.float64)
-
-    def topk(router):
-        logits = x @ router
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        idx = np.argsort(-probs, axis=-1, kind="stable")[:, : spec.top_k]
-        return idx, np.take_along_axis(probs, idx, -1)
-
-    idx, vals = topk(p["router"])
-    w = vals / vals.sum(-1, keepdims=True) if spec.renorm else vals
-    if spec.mask_from_other_topk:
-        idx, _ = topk(p["router2"])
-    out = np.zeros_like(x)
-    for e in range(spec.experts):
-        if e == spec.missing_expert:
-            continue
-        kind = _odd(spec.activation) if e == spec.odd_expert_activation else spec.activation
-
-        def b(n: str, e: int = e) -> np.ndarray | float:
-            return p[f"{n}_bias"][e] if spec.bias else 0.0
-
-        if spec.activation == "swiglu":
-            gate, up = x @ p["gate"][e] + b("gate"), x @ p["up"][e] + b("up")
-        else:
-            gate, up = x @ p["fc1"][e] + b("fc1"), None
-        y = _activation(kind, gate, up) @ p["down"][e] + b("down")
-        dense_w = ((idx == e) * w).sum(-1, keepdims=True)
-        out += dense_w * y
-    return out
-
-
-def _odd(kind: str) -> str:
-    """Another activation for the odd expert (same FC1 inputs)."""
-    return {
-        "swiglu": "swiglu_tanh",
-        "swiglu_oss": "swiglu_oss_alpha1",
-        "relu": "gelu",
-        "gelu": "relu",
-    }[kind]
 
 
 class _Builder:
@@ -169,6 +66,9 @@ class _Builder:
         g, p = self.g, self.p
         sel = (lambda a: a) if expert is None else (lambda a: a[expert])
         tag = name if expert is None else f"{name}_{expert}"
+        if self.spec.weights_input and expert is None and name in ("gate", "fc1"):
+            e, k, n = p[name].shape
+            return g.add_input(f"float[{e},{k},{n}]", f"{tag}_weight")
         if not self.spec.int4:
             return g.add_initializer(f"{tag}_weight", sel(p[name]))
         q = g.add_initializer(f"{tag}_q", sel(p[f"{name}_q"]))
@@ -248,7 +148,7 @@ class _Builder:
         tag = "experts" if expert is None else f"expert_{expert}"
         kind = spec.activation
         if expert is not None and expert == spec.odd_expert_activation:
-            kind = _odd(kind)
+            kind = odd_activation(kind)
         if spec.activation == "swiglu":
             gate, up = self.proj(x, "gate", expert), self.proj(x, "up", expert)
         else:
@@ -260,21 +160,35 @@ class _Builder:
         g, spec = self.g, self.spec
         k = g.i64(spec.top_k)
 
+        rows = x
+        if spec.router_input == "second_input":
+            rows = g.add_input(f"float[T,{spec.hidden}]", "router_input")
+        elif spec.router_input == "reversed_tokens":
+            ends = (g.i64(-1), g.i64(-INT64_MAX - 1), g.i64(0), g.i64(-1))
+            rows = g.node("Slice", [x, *ends], "router_rows")
+
         def topk(router: str, tag: str) -> tuple[str, str, str]:
             logits = g.node(
-                "MatMul", [x, g.add_initializer(router, self.p[router])], f"{tag}_logits"
+                "MatMul", [rows, g.add_initializer(router, self.p[router])], f"{tag}_logits"
             )
             probs = g.node("Softmax", [logits], f"{tag}_probs", axis=-1)
             v, i = g.node_multi(
                 "TopK",
                 [probs, k],
                 [f"{tag}_topk_values", f"{tag}_topk_idx"],
-                axis=-1,
+                axis=spec.topk_axis,
                 largest=1,
                 sorted=1,
             )
             return logits, v, i
 
+        if spec.topk_softmax_axis is not None:  # TopK of the logits, Softmax of the k values
+            logits = g.node("MatMul", [rows, g.add_initializer("router", self.p["router"])])
+            vals, idx = g.node_multi(
+                "TopK", [logits, k], ["router_topk_logits", "router_topk_idx"], axis=-1
+            )
+            w = g.node("Softmax", [vals], "routing_weights", axis=spec.topk_softmax_axis)
+            return logits, idx, w
         logits, vals, idx = topk("router", "router")
         w = vals
         if spec.renorm:
@@ -321,6 +235,32 @@ class _Builder:
         if terms[0] != "y":
             g.node("Identity", [terms[0]], "y")
 
+    def onehot(self, idx: str) -> str:
+        """``OneHot(idx, E, [0, 1])``: ``[T, k, E]``."""
+        g = self.g
+        values = g.add_initializer("onehot_values", np.array([0.0, 1.0], np.float32))
+        return g.node("OneHot", [idx, g.i64(self.spec.experts), values], "route_onehot", axis=-1)
+
+    def equal_onehot(self, idx: str) -> str:
+        """``Cast(Equal(Unsqueeze(idx, -1), arange(E)))``: ``[T, k, E]``, every expert at once."""
+        g, e = self.g, self.spec.experts
+        ids = g.node("Unsqueeze", [idx, g.i64(-1)], "route_ids_3d")
+        shape = (1, 1, e) if self.spec.variant else (e,)
+        experts = g.add_initializer("expert_range", np.arange(e, dtype=np.int64).reshape(shape))
+        hit = g.node("Equal", [experts, ids] if self.spec.variant else [ids, experts], "route_hit")
+        return g.node("Cast", [hit], "route_onehot", to=onnx.TensorProto.FLOAT)
+
+    def combine_stacked(self, dense: str, y: str) -> None:
+        """``y = sum_e dense[:, e] * Y[e]``: ReduceSum over E, or one Einsum."""
+        g = self.g
+        if self.spec.einsum_combine:
+            g.node("Einsum", [dense, y], "y", equation="te,eth->th")
+            return
+        dense_t = _transpose(g, dense, (1, 0), "dense_weights_t")
+        dense3 = g.node("Unsqueeze", [dense_t, g.i64(-1)], "dense_weights_3d")
+        weighted = g.node("Mul", [y, dense3], "experts_weighted")
+        g.node("ReduceSum", [weighted, g.i64(0)], "y", keepdims=0)
+
     def build(self) -> onnx.ModelProto:
         g, spec = self.g, self.spec
         e_count, h = spec.experts, spec.hidden
@@ -336,24 +276,12 @@ class _Builder:
                 tokens = g.node("Unsqueeze", [x, g.i64(0)], "tokens_3d")
                 tokens = g.node("Expand", [tokens, g.i64(e_count, 1, 1)], "tokens_by_expert")
             y = self.mlp(tokens, None)  # [E, T, H]
-            if spec.form == "onehot":
-                onehot = g.node(
-                    "OneHot",
-                    [
-                        idx,
-                        g.i64(e_count),
-                        g.add_initializer("onehot_values", np.array([0.0, 1.0], np.float32)),
-                    ],
-                    "route_onehot",
-                    axis=-1,
-                )
+            if spec.form in ("onehot", "equal"):
+                onehot = self.onehot(idx) if spec.form == "onehot" else self.equal_onehot(idx)
                 w3 = g.node("Unsqueeze", [w, g.i64(-1)], "routing_weights_3d")
                 mix = g.node("Mul", [onehot, w3], "route_onehot_weighted")
                 dense = g.node("ReduceSum", [mix, g.i64(1)], "dense_weights", keepdims=0)
-                dense_t = _transpose(g, dense, (1, 0), "dense_weights_t")
-                dense3 = g.node("Unsqueeze", [dense_t, g.i64(-1)], "dense_weights_3d")
-                weighted = g.node("Mul", [y, dense3], "experts_weighted")
-                g.node("ReduceSum", [weighted, g.i64(0)], "y", keepdims=0)
+                self.combine_stacked(dense, y)
             else:
                 zeros = g.node(
                     "ConstantOfShape", [g.node("Shape", [logits], "logits_shape")], "dense_zeros"

@@ -181,9 +181,9 @@ def test_fused_matches_dense(spec: DenseSpec, rng: np.random.Generator) -> None:
     "spec, reason",
     [
         (DenseSpec(form="onehot", int4=True, renorm=False), "not renormalised"),
-        (DenseSpec(form="scatter", int4=True, activation="gelu"), "gelu"),
+        (DenseSpec(form="scatter", int4=True, renorm=False, activation="relu"), "not renormalised"),
     ],
-    ids=["int4-raw", "int4-gelu"],
+    ids=["int4-onehot-raw", "int4-scatter-raw"],
 )
 def test_rule_refusals_speak_of_the_layer(spec: DenseSpec, reason: str) -> None:
     """Where the layer rules refuse, they refuse the layer (QMoE limits), not the spelling."""

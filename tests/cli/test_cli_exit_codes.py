@@ -23,7 +23,7 @@ from cli_cases import (
     save_sample,
 )
 
-from onnx_moe_fuse import api
+from onnx_moe_fuse import api, streaming_io
 from onnx_moe_fuse.cli import EXIT_INTERNAL, EXIT_NO_ADAPTER, EXIT_USAGE, parse_seeds
 from onnx_moe_fuse.errors import OptionError
 from onnx_moe_fuse.kernels import device as device_module
@@ -67,6 +67,7 @@ def test_an_internal_error_is_one_line_with_exit_4(tmp_path, monkeypatch):
         raise RuntimeError("the rule engine\nbroke")
 
     monkeypatch.setattr(api, "fuse", broken)
+    monkeypatch.setattr(streaming_io, "fuse_file", broken)  # the path without --verify
     src = save_sample(tmp_path, SMALL)
     err = assert_refused(
         [src, "-o", tmp_path / "o.onnx"],

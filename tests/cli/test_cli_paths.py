@@ -18,7 +18,7 @@ import onnx
 import pytest
 from cli_cases import SMALL, SMALL_FLOAT, assert_refused, run_cli, save_sample, snapshot
 
-from onnx_moe_fuse import model_io, output_paths
+from onnx_moe_fuse import model_io, output_paths, streaming_io
 
 
 @pytest.fixture
@@ -113,6 +113,7 @@ def test_write_time_failures_exit_2_and_leave_nothing(tmp_path, src, monkeypatch
         raise error
 
     monkeypatch.setattr(model_io.onnx, "save_model", failing_save)
+    monkeypatch.setattr(streaming_io.ir, "save", failing_save)  # the path without --verify
     assert_refused([src, "-o", tmp_path / "out.onnx"], tmp_path, "out.onnx", error.strerror)
 
 

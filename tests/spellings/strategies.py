@@ -90,7 +90,7 @@ GATHERED = frozenset(e for e in EXPERTS if not e.startswith("dense"))
 SUPPORTED: dict[str, frozenset] = {
     "router": frozenset(ROUTERS),
     "routing": frozenset(ROUTINGS),
-    "experts": frozenset(EXPERTS) - {"dense_equal"},
+    "experts": frozenset(EXPERTS),
     "activation": frozenset(ACTIVATIONS),
     "combine": frozenset(COMBINES),
     "weight_dtype": frozenset(WEIGHT_DTYPES),
@@ -98,13 +98,8 @@ SUPPORTED: dict[str, frozenset] = {
     "zero_point": frozenset(ZERO_POINTS),
     "rank": frozenset(RANKS),
     "shapes": frozenset(SHAPES),
-    "mutation": frozenset(MUTATIONS) - {"swap_gate_up"},
+    "mutation": frozenset(MUTATIONS),
 }
-
-
-_DENSE_UNNAMED = frozenset(
-    {"topk_axis", "router_second_input", "router_token_slice", "weight_graph_input"}
-)
 
 
 def multi_block_8bit(case: LayerCase) -> bool:
@@ -116,46 +111,10 @@ def multi_block_8bit(case: LayerCase) -> bool:
 # elsewhere: (name, predicate on the case, what the fuser does). The CI strategies skip them.
 UNSUPPORTED_COMBINATIONS: tuple[tuple[str, Callable[[LayerCase], bool], str], ...] = (
     (
-        "rows x combine",
-        lambda c: c.experts == "rows_gathernd" and c.combine != "mul_reducesum",
-        "not recognised: the rows rule knows only the Mul/Reshape/ReduceSum combine",
-    ),
-    (
-        "quantized x silu/gelu",
-        lambda c: c.quantized and c.activation not in SWIGLU and c.activation != "relu",
-        "target: QMoE takes relu or swiglu in this project's kernels (ORT CPU takes silu, gelu)",
-    ),
-    (
         "8-bit x several blocks of 32",
         multi_block_8bit,
         "refused on purpose (target): ORT CPU's block-wise 8-bit QMoE quantises the activations "
         "(1e-2 off); test_properties checks the refusal",
-    ),
-    (
-        "rows x k=1",
-        lambda c: c.experts == "rows_gathernd" and c.top_k == 1,
-        "not recognised (HEAD 85f0251): the rows layer with one slot per token matches no rule",
-    ),
-    (
-        "dense_onehot x einsum combine",
-        lambda c: c.experts == "dense_onehot" and c.combine == "einsum",
-        "not recognised: the experts are chosen by a one-hot mask (the generic dense message)",
-    ),
-    (
-        "dense_onehot x routing/router/weight mutations",
-        lambda c: (
-            c.experts == "dense_onehot"
-            and (
-                c.mutation in _DENSE_UNNAMED
-                or (c.mutation == "softmax_axis" and c.routing == "topk_softmax")
-            )
-        ),
-        "refused, but only with the generic one-hot 'not recognised' near miss: names no part",
-    ),
-    (
-        "rows x fc2_other_indices",
-        lambda c: c.experts == "rows_gathernd" and c.mutation == "fc2_other_indices",
-        "not recognised (the rows rule needs one id chain for every GatherND): names no part",
     ),
 )
 

@@ -135,7 +135,7 @@ def test_every_supported_mutation_can_be_drawn() -> None:
     """Each supported mutation has a supported base to apply to (else property 2 skips it)."""
     seen: set[str] = set()
 
-    @settings(CI, max_examples=200)
+    @settings(CI, max_examples=400)
     @given(supported_mutants())
     def draw(case: LayerCase) -> None:
         assert case.mutation is not None and is_supported(case)

@@ -1,0 +1,258 @@
+"""Fuse a model file into an output file with memory that does not grow with the model.
+
+:func:`fuse_file` is the command line's path for a file input without ``--verify``. It never
+holds the model's weights in memory:
+
+1. the input is validated without its tensor data
+   (:func:`onnx_moe_fuse.model_io.check_model_file`: the header, the opsets and attributes, the
+   checker, every external tensor's data file resolved as ORT resolves it and long enough),
+   then loaded with ``ir.load``, which maps external data lazily (a tensor whose data onnx-ir's
+   own containment check would refuse, a Hugging Face cache blob, is re-pointed at the file it
+   resolves to);
+2. the output paths are checked before any work, as
+   :func:`onnx_moe_fuse.model_io.save_model_atomic` checks them
+   (:func:`onnx_moe_fuse.output_paths.check_output_paths`);
+3. the fusion pipeline runs in place with a :class:`~onnx_moe_fuse.weight_sink.ScratchFileSink`
+   in the output's folder: each fused layer's repacked weights go to the scratch file as they
+   are made, and the rules read each layer's source weights transiently
+   (:func:`onnx_moe_fuse.rewrites.tensor_reads.read_array`);
+4. ``ir.save`` with external data writes the model into a hidden temporary folder inside the
+   output's folder, copying each tensor from its file (the input's data, the scratch file) into
+   ``<out name>.data`` one at a time; both files are fsynced and moved into place with
+   ``os.replace``, the data file first, the model file last; a failure on the way removes the
+   temporary folder and rolls a moved data file back (the previous one restored, or the new one
+   removed), and the scratch file is removed in every case.
+
+When nothing fused, the model is read again from the input and written as it was (the passes'
+analyses annotate value shapes of the model they read), as :func:`onnx_moe_fuse.fuse` returns
+an unfused ModelProto as it was.
+
+A model whose input keeps its data inside the ``.onnx`` file (no external data) is in memory
+once it is parsed anyway: it is fused with the in-memory sink and saved as one file, as
+:func:`~onnx_moe_fuse.model_io.save_model_atomic` saves it, unless it would exceed protobuf's
+2 GB limit, when it gets a data file too. ``--verify`` runs both models and so needs them in
+memory: it keeps the in-memory path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from .errors import ExternalDataError, ModelLoadError, MoEFuseError, OutputWriteError
+from .external_data import resolve_external_file
+from .model_check import all_tensors, is_external
+from .model_io import (
+    EXTERNAL_SIZE_THRESHOLD,
+    PROTOBUF_LIMIT,
+    _fsync,
+    _move_into_place,
+    check_model_file,
+    data_file_for,
+    input_files,
+)
+from .output_paths import check_output_paths, new_file_mode, one_line
+from .passes import FusionReport, fusion_pipeline
+from .weight_sink import ScratchFileSink
+
+__all__ = ["StreamedFusion", "fuse_file"]
+
+#: Bytes copied at a time when a model is written unchanged.
+_COPY_CHUNK = 1 << 20
+
+
+@dataclass
+class StreamedFusion:
+    """What :func:`fuse_file` did: the report, the files written (data file first)."""
+
+    report: FusionReport
+    written: list[Path]
+
+    @property
+    def fused(self) -> bool:
+        """True when at least one layer was fused."""
+        return bool(self.report.fusions)
+
+
+def _readable_external_tensors(model: ir.Model, path: Path) -> bool:
+    """Make every external tensor readable by onnx-ir; return whether the model has any.
+
+    The data files were checked already (:func:`~onnx_moe_fuse.model_io.check_model_file`).
+    onnx-ir reads only from inside ``base_dir`` after resolving links; a data file that the
+    ORT rules allow elsewhere (a link into the folder of the resolved model, as in a Hugging
+    Face cache) gets a tensor pointing at the file it resolves to.
+    """
+    external = False
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if not isinstance(tensor, ir.ExternalTensor):
+                continue
+            external = True
+            contained = getattr(tensor, "_check_path_containment", None)  # onnx-ir's own check
+            try:
+                if contained is not None:
+                    contained()
+                continue
+            except ValueError:
+                real = Path(tensor.path).resolve()
+            value.const_value = ir.ExternalTensor(
+                real.name,
+                tensor.offset,
+                tensor.length,
+                tensor.dtype,
+                shape=tensor.shape,
+                name=tensor.name,
+                base_dir=str(real.parent),
+            )
+            try:
+                value.const_value._check_path_containment()
+            except ValueError as exc:  # a hard-linked data file
+                raise ExternalDataError(real, f"{path}: tensor {tensor.name!r}: {exc}") from exc
+    return external
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    return sum(
+        v.const_value.nbytes
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None
+    )
+
+
+def _write_unchanged(src: Path, target: Path, data_name: str) -> None:
+    """Write the model file ``src`` to ``target`` as it is, its external data copied in chunks.
+
+    Every external tensor's bytes go, in order, into ``data_name`` beside ``target``, and the
+    tensor's ``location``/``offset``/``length`` are set to their new place; nothing else of the
+    model changes.
+    """
+    proto = check_model_file(src)
+    base = src.parent
+    with open(target.with_name(data_name), "wb") as data:
+        for tensor in all_tensors(proto):
+            if not is_external(tensor):
+                continue
+            info = {e.key: e.value for e in tensor.external_data}
+            path = resolve_external_file(tensor, base, src, str(src))
+            start = int(info.get("offset") or 0)
+            with open(path, "rb") as source:
+                length = (
+                    int(info["length"])
+                    if info.get("length")
+                    else os.fstat(source.fileno()).st_size - start
+                )
+                source.seek(start)
+                offset = data.tell()
+                left = length
+                while left:
+                    chunk = source.read(min(left, _COPY_CHUNK))
+                    if not chunk:
+                        raise ModelLoadError(
+                            path, f"{src}: tensor {tensor.name!r} is short in {path}"
+                        )
+                    data.write(chunk)
+                    left -= len(chunk)
+            new = {"location": data_name, "offset": str(offset), "length": str(length)}
+            del tensor.external_data[:]
+            for key, value in {**info, **new}.items():
+                tensor.external_data.add(key=key, value=value)
+    onnx.save_model(proto, str(target))
+
+
+def _write(
+    model: ir.Model,
+    report: FusionReport,
+    src: Path,
+    tmp: Path,
+    name: str,
+    data_name: str,
+    external: bool,
+) -> list[str]:
+    """Write the model file ``name`` (and ``data_name``) into ``tmp``; return the names."""
+    if not report.fusions:  # the passes' analyses annotate shapes: write the input as it was
+        _write_unchanged(src, tmp / name, data_name)
+    elif external:
+        ir.save(
+            model,
+            tmp / name,
+            external_data=data_name,
+            size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1,
+        )
+    else:
+        onnx.save_model(ir.to_proto(model), str(tmp / name))
+    if (tmp / data_name).exists() and not (tmp / data_name).stat().st_size:
+        (tmp / data_name).unlink()  # no tensor went external: no data file, as model_io
+    return [n for n in (data_name, name) if (tmp / n).exists()]
+
+
+def fuse_file(
+    input_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    only: Iterable[str] | None = None,
+    target: str | None = None,
+) -> StreamedFusion:
+    """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
+
+    Args:
+        input_path: the ``.onnx`` file (its external data is read from beside it).
+        out_path: the model file to write; its data file is ``<out name>.data`` beside it.
+        only: the ops that may be emitted (default all; see :func:`onnx_moe_fuse.fuse`).
+        target: the runtime the fused nodes are written for (default: the pipeline's).
+
+    Raises:
+        ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
+            missing, outside the model's folder or short (its subclasses say which).
+        OutputPathError: the output is the input or the input's data, or cannot be written
+            there (:class:`~onnx_moe_fuse.errors.InputOverwriteError` for the first).
+        OutputWriteError: writing failed (disk full, permission denied); nothing was left.
+        ValueError: ``only`` names an unknown op, or ``target`` an unknown runtime.
+    """
+    src = Path(input_path)
+    out = Path(out_path)
+    data = data_file_for(out)
+    check_model_file(src)  # one clear error for a bad model or data file, before any work
+    check_output_paths({"the output model": out, "its data file": data}, protected=input_files(src))
+    folder = out.parent if str(out.parent) else Path(".")
+    try:
+        model = ir.load(os.fspath(src))
+    except (ValueError, RuntimeError, TypeError, OSError) as exc:
+        raise ModelLoadError(src, f"{src} is not a valid ONNX model: {one_line(exc)}") from exc
+    external = _readable_external_tensors(model, src) or _initializer_bytes(model) > PROTOBUF_LIMIT
+
+    report = FusionReport()
+    with contextlib.ExitStack() as cleanup:
+        sink = cleanup.enter_context(ScratchFileSink(folder)) if external else None
+        extra = {} if target is None else {"target": target}
+        fusion_pipeline(report, only, weight_sink=sink, **extra)(model)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
+        except OSError as exc:
+            raise OutputWriteError(
+                f"cannot write into {str(folder)!r}: {exc.strerror or exc}", path=out
+            ) from exc
+        cleanup.callback(shutil.rmtree, tmp, ignore_errors=True)
+        try:
+            names = _write(model, report, src, tmp, out.name, data.name, external)
+            for name in names:
+                os.chmod(tmp / name, new_file_mode())
+                _fsync(tmp / name)
+            _move_into_place(tmp, folder, names, out.name)
+        except OSError as exc:
+            if isinstance(exc, MoEFuseError):
+                raise
+            raise OutputWriteError(
+                f"cannot write {str(out)!r}: {exc.strerror or one_line(exc)}; nothing was written",
+                path=out,
+            ) from exc
+    return StreamedFusion(report=report, written=[folder / name for name in names])

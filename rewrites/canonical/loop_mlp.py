@@ -1,0 +1,284 @@
+"""One expert's MLP inside an expert loop: its projections, its row-wise activation, its weights.
+
+An iteration of the loop runs expert ``e`` on its gathered rows ``r_e [n, H]``::
+
+    y_e = MatMul(act(MatMul(r_e, W1_e), MatMul(r_e, W3_e), ...), W2_e)
+
+:func:`read_expert_mlp` proves that form, reading back from ``y_e``: FC2 is a ``MatMul`` by a
+constant weight, every FC1 a ``MatMul`` of exactly ``r_e`` by a constant weight, and the
+activation between them treats each row on its own (the element-wise ops of
+:mod:`.sorted_rowwise` with constant operands shared by every row, and ``Split`` / ``Slice``
+along the feature axis), which is what lets it run unchanged on the per-slot ``[T, k, N]``
+values. A weight is an initializer ``[K, N]``, ``Transpose(W, [1, 0])`` of one ``[N, K]``
+(a ``Gemm(transB=1)`` / ``Linear`` after NormalizeSpellings), or ``Gather(W, j)`` of a stacked
+``[E', K, N]`` one. The :class:`ExpertMLP`'s ``signature`` holds everything but the weights
+(ops, attributes, activation constants by value, weight shapes and dtypes): two experts have
+the same structure exactly when their signatures are equal.
+
+:func:`stack_weights` makes the ``[E, K, N]`` stack of one projection as an ``ir.LazyTensor``
+(read when first used: the per-expert tensors are never modified, nor read before a fusion
+needs them); :func:`clone_activation` rebuilds expert 0's activation on the per-slot values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites._graph_facts import attr_int, const_array, const_ints, label
+
+from .loop_values import LoopRefusal
+from .sorted_rowwise import ELEMENTWISE
+from .sorted_values import const_shape, producer_op, small_const
+
+__all__ = ["WeightRef", "ExpertMLP", "read_expert_mlp", "stack_weights", "clone_activation"]
+
+_STD = ("", "ai.onnx")
+_FEATURE_AXES = (1, -1)
+
+
+@dataclass
+class WeightRef:
+    """One expert's ``[K, N]`` weight: ``source``, its transpose, or its ``index``-th entry."""
+
+    source: ir.Value
+    transposed: bool = False
+    index: int | None = None
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        """Identifies the numbers this weight reads (two experts must not share one)."""
+        return id(self.source), self.index
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """``(K, N)`` as the MatMul uses it."""
+        shape = tuple(int(d) for d in self.source.const_value.shape)
+        if self.index is not None:
+            shape = shape[1:]
+        return (shape[1], shape[0]) if self.transposed else (shape[0], shape[1])
+
+    @property
+    def dtype(self) -> ir.DataType:
+        """The weight's element type."""
+        return self.source.const_value.dtype
+
+    def array(self) -> np.ndarray:
+        """The ``[K, N]`` numbers (reads the tensor)."""
+        arr = self.source.const_value.numpy()
+        if self.index is not None:
+            arr = arr[self.index]
+        return arr.T if self.transposed else arr
+
+
+def _initializer(value: ir.Value | None, rank: int) -> bool:
+    tensor = value.const_value if value is not None else None
+    return (
+        tensor is not None
+        and not value.is_graph_input()
+        and tensor.dtype.is_floating_point()
+        and len(tensor.shape) == rank
+    )
+
+
+def _weight(value: ir.Value, e: int, matmul: ir.Node) -> WeightRef:
+    if _initializer(value, 2):
+        return WeightRef(value)
+    node = producer_op(value, "Transpose", "Gather")
+    if node is not None and node.op_type == "Transpose":
+        perm = node.attributes.get("perm")
+        if _initializer(node.inputs[0], 2) and perm is not None and list(perm.value) == [1, 0]:
+            return WeightRef(node.inputs[0], transposed=True)
+    if node is not None and node.op_type == "Gather" and _initializer(node.inputs[0], 3):
+        index = small_const(node.inputs[1])
+        n = node.inputs[0].const_value.shape[0]
+        if attr_int(node, "axis", 0) == 0 and index is not None and index.ndim == 0:
+            j = int(index)
+            if -n <= j < n:
+                return WeightRef(node.inputs[0], index=j % n)
+    where = "a graph input" if value.is_graph_input() else "not a float initializer"
+    raise LoopRefusal(
+        f"expert {e}: the weight {value.name!r} of {label(matmul)} is {where} (nor its "
+        "transpose, nor one entry of a stacked initializer)"
+    )
+
+
+@dataclass
+class ExpertMLP:
+    """``y = FC2(act(FC1 projections of rows))``; ``act_nodes`` in topological order."""
+
+    rows: ir.Value
+    fc1: list[tuple[ir.Node, WeightRef]]
+    act_nodes: list[ir.Node]
+    act_out: ir.Value
+    fc2: tuple[ir.Node, WeightRef]
+    signature: tuple
+    nodes: list[ir.Node] = field(default_factory=list)
+
+
+def _const_key(value: ir.Value) -> tuple:
+    arr = const_array(value)
+    if arr is None:
+        raise LoopRefusal(f"activation: the constant {value.name!r} cannot be read")
+    return ("const", str(arr.dtype), arr.shape, np.ascontiguousarray(arr).tobytes())
+
+
+def _shared_by_rows(value: ir.Value) -> bool:
+    """A constant operand the same for every row of a ``[n, F]`` value."""
+    shape = const_shape(value)
+    return shape is not None and (len(shape) <= 1 or (len(shape) == 2 and shape[0] == 1))
+
+
+def _attrs_key(node: ir.Node) -> tuple:
+    return tuple(sorted((k, repr(a.value)) for k, a in node.attributes.items()))
+
+
+class _Reader:
+    """Walks back from FC2's input to the FC1 projections of ``rows``."""
+
+    def __init__(self, e: int) -> None:
+        self.rows: ir.Value | None = None
+        self.e = e
+        self.fc1: list[tuple[ir.Node, WeightRef]] = []
+        self.fc1_index: dict[int, int] = {}
+        self.act: list[ir.Node] = []
+        self.act_index: dict[int, int] = {}
+        self.entries: list[tuple] = []
+
+    def ref(self, value: ir.Value, depth: int = 0) -> tuple:
+        if id(value) in self.fc1_index:
+            return ("fc1", self.fc1_index[id(value)])
+        node = value.producer()
+        if node is not None and id(node) in self.act_index:
+            return ("act", self.act_index[id(node)], value.index())
+        if node is None or node.domain not in _STD or depth > 64:
+            raise LoopRefusal(
+                f"expert {self.e}: activation: {value.name!r} is neither computed by a known "
+                "row-wise op nor an FC1 projection of the expert's rows"
+            )
+        if node.op_type == "MatMul":
+            if self.rows is None:
+                self.rows = node.inputs[0]
+            elif node.inputs[0] is not self.rows:
+                raise LoopRefusal(
+                    f"expert {self.e}: fc1: {label(node)} does not project the same rows "
+                    f"{self.rows.name!r} as the expert's other FC1"
+                )
+            self.fc1_index[id(value)] = len(self.fc1)
+            self.fc1.append((node, _weight(node.inputs[1], self.e, node)))
+            return ("fc1", self.fc1_index[id(value)])
+        self.activation_node(node, depth)
+        return ("act", self.act_index[id(node)], value.index())
+
+    def activation_node(self, node: ir.Node, depth: int) -> None:
+        op = node.op_type
+        cut = op in ("Split", "Slice")
+        if op not in ELEMENTWISE and not cut:
+            raise LoopRefusal(
+                f"expert {self.e}: activation: {label(node)} ({op}) is not proved to treat each "
+                "row on its own"
+            )
+        if op == "Split" and attr_int(node, "axis", 0) not in _FEATURE_AXES:
+            raise LoopRefusal(f"expert {self.e}: activation: {label(node)} splits the rows")
+        if op == "Slice":
+            axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
+            if axes is None or any(a not in _FEATURE_AXES for a in axes):
+                raise LoopRefusal(f"expert {self.e}: activation: {label(node)} slices the rows")
+        inputs: list[tuple | None] = []
+        for pos, v in enumerate(node.inputs):
+            if v is None:
+                inputs.append(None)
+            elif cut and pos >= 1:
+                if small_const(v, limit=64) is None:
+                    raise LoopRefusal(
+                        f"expert {self.e}: activation: {label(node)} cuts at positions that are "
+                        "not constant"
+                    )
+                inputs.append(_const_key(v))
+            elif const_shape(v) is not None:
+                if not _shared_by_rows(v):
+                    raise LoopRefusal(
+                        f"expert {self.e}: activation: {label(node)} combines the rows with "
+                        f"{v.name!r}, which is not a constant shared by every row"
+                    )
+                inputs.append(_const_key(v))
+            else:
+                inputs.append(self.ref(v, depth + 1))
+        self.act_index[id(node)] = len(self.act)
+        self.act.append(node)
+        self.entries.append((node.domain, op, _attrs_key(node), tuple(inputs), len(node.outputs)))
+
+
+def read_expert_mlp(y: ir.Value, e: int) -> ExpertMLP:
+    """Read ``y`` as expert ``e``'s MLP on one rows value (``rows``); refuses otherwise."""
+    fc2 = producer_op(y, "MatMul")
+    if fc2 is None:
+        raise LoopRefusal(
+            f"expert {e}: fc2: {y.name!r} (weighted by the routing weight) is not a MatMul by "
+            "constant weights"
+        )
+    w2 = _weight(fc2.inputs[1], e, fc2)
+    reader = _Reader(e)
+    act_ref = reader.ref(fc2.inputs[0])
+    if not reader.fc1:
+        raise LoopRefusal(f"expert {e}: fc1: no projection of the rows before {label(fc2)}")
+    weights = tuple((ref.dims, str(ref.dtype)) for _, ref in [*reader.fc1, (fc2, w2)])
+    signature = (tuple(reader.entries), act_ref, weights)
+    nodes = [n for n, _ in reader.fc1] + reader.act + [fc2]
+    return ExpertMLP(
+        reader.rows, reader.fc1, reader.act, fc2.inputs[0], (fc2, w2), signature, nodes
+    )
+
+
+def stack_weights(refs: list[WeightRef], name: str) -> ir.Value:
+    """A new ``[E, K, N]`` value (not yet registered) stacking ``refs`` in expert order, lazily."""
+    k, n = refs[0].dims
+    dtype = refs[0].dtype
+    shape = ir.Shape([len(refs), k, n])
+
+    def compute() -> ir.TensorProtocol:
+        return ir.Tensor(np.ascontiguousarray(np.stack([r.array() for r in refs])), dtype=dtype)
+
+    tensor = ir.LazyTensor(compute, dtype, shape, cache=True, name=name)
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=shape, const_value=tensor)
+
+
+def clone_activation(
+    mlp: ExpertMLP,
+    starts: dict[int, ir.Value],
+    fresh: Callable[[str], str],
+    new_ints: Callable[[list[int]], ir.Value],
+) -> tuple[list[ir.Node], ir.Value]:
+    """Rebuild ``mlp``'s activation on the per-slot FC1 values; returns the nodes and its end.
+
+    ``starts`` maps ``id`` of each FC1 output to its per-slot replacement. A feature axis
+    (``Split``'s ``axis``, ``Slice``'s ``axes``) becomes ``-1``, the same axis of ``[T, k, F]``.
+    """
+    mapping = dict(starts)
+    built: list[ir.Node] = []
+    for node in mlp.act_nodes:
+        inputs = [mapping.get(id(v), v) if v is not None else None for v in node.inputs]
+        attributes = [a for a in node.attributes.values() if a.name != "axis"]
+        if node.op_type == "Split":
+            attributes.append(ir.AttrInt64("axis", -1))
+        elif "axis" in node.attributes:
+            attributes.append(node.attributes["axis"])
+        if node.op_type == "Slice":
+            inputs[3] = new_ints([-1] * len(const_ints(node.inputs[3]) or []))
+        outputs = [ir.Value(name=fresh(o.name or "act"), type=o.type) for o in node.outputs]
+        clone = ir.Node(
+            node.domain,
+            node.op_type,
+            inputs,
+            attributes,
+            outputs=outputs,
+            version=node.version,
+            name=fresh(f"{node.name or node.op_type}__per_slot"),
+        )
+        for old, new in zip(node.outputs, clone.outputs, strict=True):
+            mapping[id(old)] = new
+        built.append(clone)
+    return built, mapping[id(mlp.act_out)]
