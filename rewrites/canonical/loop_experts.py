@@ -33,6 +33,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites._graph_facts import label
 
 from .fresh_names import FreshNames
+from .graph_edits import ancestors, remove_dead
 from .loop_mlp import clone_activation, stack_weights
 from .loop_proof import ExpertLoop, LoopRefusal, analyse_loop, loop_candidates
 from .loop_values import Mask
@@ -140,51 +141,17 @@ def _rewrite(model: ir.Model, loop: ExpertLoop) -> None:
 
     old = loop.layer_out
     producer = old.producer()
-    cone = _ancestors(producer)
+    cone = ancestors(producer)
     name = old.name
     out.type, out.shape = old.type or float_type, old.shape
     ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
     graph.insert_after(producer, b.nodes)
     old.name = names(name)
     out.name = name
-    _remove_dead(graph, [producer, *cone])
+    remove_dead(graph, [producer, *cone])
     if model.opset_imports.get("", 1) < GROUPED_MATMUL_OPSET:
         model.opset_imports[""] = GROUPED_MATMUL_OPSET
         graph.opset_imports[""] = GROUPED_MATMUL_OPSET
-
-
-def _ancestors(node: ir.Node) -> list[ir.Node]:
-    """Every node ``node`` depends on (in the main graph)."""
-    seen: dict[int, ir.Node] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for v in n.inputs:
-            p = v.producer() if v is not None else None
-            if p is not None and id(p) not in seen:
-                seen[id(p)] = p
-                stack.append(p)
-    return list(seen.values())
-
-
-def _remove_dead(graph: ir.Graph, candidates: list[ir.Node]) -> None:
-    """Remove the candidates nothing uses any more (reverse graph order), and their constants.
-
-    An initializer goes only when the removed nodes were its last users: a weight shared with
-    the rest of the model stays.
-    """
-    order = {id(n): i for i, n in enumerate(graph)}
-    freed: dict[int, ir.Value] = {}
-    for node in sorted(candidates, key=lambda n: -order.get(id(n), -1)):
-        if id(node) not in order:
-            continue
-        if any(o.uses() or o.is_graph_output() for o in node.outputs):
-            continue
-        freed.update((id(v), v) for v in node.inputs if v is not None and v.is_initializer())
-        graph.remove(node, safe=True)
-    for value in freed.values():
-        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-            graph.initializers.pop(value.name, None)
 
 
 class CanonicalExpertLoopPass(ir.passes.InPlacePass):

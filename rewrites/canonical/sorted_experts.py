@@ -34,6 +34,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites._graph_facts import label
 from onnx_moe_fuse.rewrites.tensor_reads import read_array
 
+from .graph_edits import ancestors, remove_dead
 from .sorted_proof import (
     SortedBlock,
     SortedRefusal,
@@ -198,7 +199,7 @@ def _rewrite(model: ir.Model, block: SortedBlock) -> None:
     out = b.node("ReduceSum", [weighted, b.const([1], "slot_axis")], "layer_out", keepdims=0)
 
     old_reduce = block.layer_out.producer()
-    cone = _ancestors(old_reduce)
+    cone = ancestors(old_reduce)
     name = block.layer_out.name
     out.type, out.shape = block.layer_out.type, block.layer_out.shape
     ir.convenience.replace_all_uses_with(block.layer_out, out, replace_graph_outputs=True)
@@ -206,45 +207,11 @@ def _rewrite(model: ir.Model, block: SortedBlock) -> None:
     graph.remove(old_reduce, safe=True)
     block.layer_out.name = None
     out.name = name
-    _remove_dead(graph, cone)
+    remove_dead(graph, cone)
     version = model.opset_imports.get("", 1)
     if version < GROUPED_MATMUL_OPSET:
         model.opset_imports[""] = GROUPED_MATMUL_OPSET
         graph.opset_imports[""] = GROUPED_MATMUL_OPSET
-
-
-def _ancestors(node: ir.Node) -> list[ir.Node]:
-    """Every node ``node`` depends on (in the main graph), nearest first."""
-    seen: dict[int, ir.Node] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for v in n.inputs:
-            p = v.producer() if v is not None else None
-            if p is not None and id(p) not in seen:
-                seen[id(p)] = p
-                stack.append(p)
-    return list(seen.values())
-
-
-def _remove_dead(graph: ir.Graph, candidates: list[ir.Node]) -> None:
-    """Remove the candidates nothing uses any more (reverse graph order), and their constants.
-
-    An initializer goes only when the removed nodes were its last users: a weight shared with
-    the rest of the model stays.
-    """
-    order = {id(n): i for i, n in enumerate(graph)}
-    freed: dict[int, ir.Value] = {}
-    for node in sorted(candidates, key=lambda n: -order.get(id(n), -1)):
-        if id(node) not in order:
-            continue
-        if any(o.uses() or o.is_graph_output() for o in node.outputs):
-            continue
-        freed.update((id(v), v) for v in node.inputs if v is not None and v.is_initializer())
-        graph.remove(node, safe=True)
-    for value in freed.values():
-        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-            graph.initializers.pop(value.name, None)
 
 
 class CanonicalSortedExpertsPass(ir.passes.InPlacePass):
