@@ -1,25 +1,39 @@
-"""Benchmark every valid QMoE / MoE kernel variant beside ONNX Runtime CPU on bench.json's cases.
+"""Benchmark every valid QMoE / MoE kernel variant beside ONNX Runtime (CPU and WebGPU).
 
-For each case (decode 1 token, prefill 128 and 512 tokens at Qwen3-30B-A3B and gpt-oss-20b
-layer sizes, plus reduced-expert copies whose weights fit a 128 MiB storage binding) it
-prints, per variant whose ``when`` holds on this adapter: the kernel's median time (GPU
-timestamps where the adapter has ``timestamp-query``, else wall clock around submit and
-wait), ORT CPU's median on the same inputs in the same process, their ratio, the kernel's
-relative error against ORT, and the expert-weight bytes it reads per second against a vec4
-copy kernel's bandwidth measured in the same run (read + write counted). Variants that do
-not hold are listed with the rule that failed. Usage::
+For each bench.json case (1, 16, 128 and 512 tokens at Qwen3-30B-A3B and gpt-oss-20b layer
+sizes, plus reduced-expert copies whose weights fit a 128 MiB storage binding) it prints,
+per variant whose ``when`` holds on this adapter: the kernel's median time (GPU timestamps
+where the adapter has ``timestamp-query``, else wall clock around submit and wait), its
+relative error against ORT CPU, and two ceilings measured in the same run: the expert-weight
+bytes read per second against a vec4 copy kernel's bandwidth (read + write counted; the
+decode ceiling) and the FLOP rate against a vec4 FMA kernel's (the prefill ceiling); for
+up to 16 tokens also each dispatch's time for the decode variants (timestamps inside the
+pass, where the adapter has them).
+Variants that do not hold are listed with the rule that failed. A summary table follows:
+per case the planner's choice, the fastest variant, ORT CPU (this process, same inputs) and
+onnxruntime-webgpu (``--ort-webgpu DIR``: a ``pip install --target DIR onnxruntime-webgpu``,
+run in a subprocess by ``ort_webgpu_worker.py``, see ``ort_references.py``, because it has
+the import name ``onnxruntime`` too; same adapter where it finds one) with the ratios to
+both. Usage::
 
-    .venv/bin/python benchmarks/bench_moe_kernels.py [--ops qmoe moe] [--cases NAME ...]
-        [--runs 10] [--budget 20] [--all] [--ort-threads N]
+    .venv/bin/python benchmarks/bench_moe_kernels.py [--ops qmoe moe] [--cases GLOB ...]
+        [--runs 10] [--budget 20] [--all] [--ort-threads N] [--ort-webgpu DIR]
+        [--ort-webgpu-results JSON] [--json OUT]
 
 ``--budget`` caps the seconds spent timing one (case, variant): slow adapters (lavapipe)
-get fewer runs. Cases where no variant fits this adapter are skipped unless ``--all``
-(then ORT is timed alone).
+get fewer runs. Cases where no variant fits this adapter are skipped unless ``--all``.
+``--ort-webgpu-results`` takes the onnxruntime-webgpu times of an earlier ``--json`` file
+(for a run that cannot carry its wheel). For ORT releases older than 1.32 (the WebGPU
+package is 1.27) nodes are written without the attributes those do not know
+(``accuracy_level``, ``swiglu_limit_after_activation``, ``weights_prepacked``) where the
+value written is their meaning anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import json
 import math
 import os
 import sys
@@ -29,33 +43,65 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, median, print_table, rel_err, wall_times  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth,
+    fma_rate,
+    median,
+    print_table,
+    rel_err,
+    wall_times,
+)
+from ort_references import OPS, WEIGHTS, OrtCpu, OrtWebGpu  # noqa: E402
 
 from onnx_moe_fuse.kernels.cases import load_cases  # noqa: E402
 from onnx_moe_fuse.kernels.device import default_device  # noqa: E402
-from onnx_moe_fuse.kernels.planner import KernelCallError  # noqa: E402
+from onnx_moe_fuse.kernels.planner import MANIFEST_DTYPES, KernelCallError  # noqa: E402
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders  # noqa: E402
 from onnx_moe_fuse.oracles.moe import route_moe, route_qmoe  # noqa: E402
-from onnx_moe_fuse.ort_nodes import kernel_node_model, session  # noqa: E402
 
-OPS = {"qmoe": "com.microsoft.QMoE", "moe": "com.microsoft.MoE"}
-WEIGHTS = {
-    "qmoe": ("fc1T", "fc1ScalesT", "fc2T", "fc2ScalesT"),
-    "moe": ("fc1T", "fc2T", "fc3T"),
-}
+# -- inputs -------------------------------------------------------------------------------
 
 
-def ort_session(op: str, call: dict, attrs: dict, threads: int | None):
-    """An ORT CPU session of one node, returned as a zero-argument callable.
+class Inputs:
+    """Materialises cases; weights with the same spec are drawn once and shared by cases."""
 
-    Weights are initializers (as in a fused model) while the model stays under protobuf's
-    2 GB, graph inputs otherwise.
-    """
-    weight_bytes = sum(call[k].nbytes for k in WEIGHTS[op] if call.get(k) is not None)
-    const_keys = WEIGHTS[op] if weight_bytes < 1.5e9 else ()
-    model, feeds = kernel_node_model(OPS[op].split(".")[-1], call, attrs, const_keys=const_keys)
-    sess = session(model, threads=threads, log_severity_level=3)
-    return lambda: sess.run(["out"], feeds)[0]
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+        self._weights: dict[str, tuple[str, np.ndarray]] = {}
+
+    def _draw(self, spec: dict) -> np.ndarray:
+        dtype, shape, kind = MANIFEST_DTYPES[spec["dtype"]], tuple(spec["shape"]), spec["random"]
+        if kind == "integers":
+            return self.rng.integers(spec["low"], spec["high"], size=shape, dtype=dtype)
+        if kind == "uniform":
+            low, high = spec.get("low", -1.0), spec.get("high", 1.0)
+            return self.rng.uniform(low, high, size=shape).astype(dtype)
+        out = self.rng.standard_normal(shape, dtype=np.float32)
+        out *= spec.get("scale", 1.0)
+        return out.astype(dtype, copy=False)
+
+    def call(self, op: str, case) -> dict[str, np.ndarray]:
+        """The case's arrays; weights reused from the previous case with the same spec."""
+        out = {}
+        for key, spec in case.inputs.items():
+            if spec is None:
+                continue
+            if "random" not in spec:
+                out[key] = case.materialize(self.rng)[key]
+                continue
+            if key not in WEIGHTS[op]:
+                out[key] = self._draw(spec)
+                continue
+            tag = f"{op}:{json.dumps(spec, sort_keys=True)}"
+            cached = self._weights.get(key)
+            if cached is None or cached[0] != tag:
+                self._weights.pop(key, None)  # free the old weights before drawing new ones
+                cached = self._weights[key] = (tag, self._draw(spec))
+            out[key] = cached[1]
+        return out
+
+
+# -- measures -----------------------------------------------------------------------------
 
 
 def weights_read(op: str, call: dict, attrs: dict) -> int:
@@ -70,6 +116,16 @@ def weights_read(op: str, call: dict, attrs: dict) -> int:
     return total * used // experts
 
 
+def layer_flops(call: dict, attrs: dict) -> float:
+    """Multiply-adds x 2 of the FFNs of every (token, selection): FC1 (+ FC3) and FC2."""
+    hidden = call["inputT"].shape[-1]
+    tokens = call["inputT"].size // hidden
+    fc1_rows = call["fc1T"].shape[1]
+    inter = fc1_rows // (2 if attrs.get("swiglu_fusion", 0) in (1, 2) else 1)
+    fc3_rows = call["fc3T"].shape[1] if call.get("fc3T") is not None else 0
+    return 2.0 * tokens * attrs["k"] * hidden * (fc1_rows + fc3_rows + inter)
+
+
 def time_variant(kernel, plan, runs: int, budget: float) -> tuple[list[float], str, np.ndarray]:
     """Check one run, then time as many runs as fit ``budget`` seconds.
 
@@ -79,7 +135,7 @@ def time_variant(kernel, plan, runs: int, budget: float) -> tuple[list[float], s
     (on a GPU the check run's time is mostly the weight upload, so it is always timed).
     """
     start = time.perf_counter()
-    out = kernel.run(plan)["outputT"]
+    out = kernel.run(plan, poison_outputs=True)["outputT"]
     once = time.perf_counter() - start
     if once > budget and kernel.device.kind != "gpu":
         return [once], "wall (one run, with upload and readback)", out
@@ -88,15 +144,48 @@ def time_variant(kernel, plan, runs: int, budget: float) -> tuple[list[float], s
     return times, method, out
 
 
+def case_label(name: str, call: dict) -> tuple[str, int]:
+    """(model, tokens) of a bench.json case name such as ``prefill128_qwen3_30b_a3b``."""
+    hidden = call["inputT"].shape[-1]
+    return name.split("_", 1)[1], call["inputT"].size // hidden
+
+
+def _fits(case, device) -> dict[str, int]:
+    """The inputs above one storage binding (the packages' bindingsFit rule), by shape."""
+    limit = min(device.limits["maxStorageBufferBindingSize"], device.limits["maxBufferSize"])
+    sizes = {
+        k: math.prod(v["shape"]) * MANIFEST_DTYPES[v["dtype"]].itemsize
+        for k, v in case.inputs.items()
+        if v is not None
+    }
+    return {k: n for k, n in sizes.items() if n > limit}
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="*", default=["qmoe", "moe"], choices=sorted(OPS))
-    parser.add_argument("--cases", nargs="*", default=None)
+    parser.add_argument("--cases", nargs="*", default=None, help="case names or globs")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--budget", type=float, default=20.0)
     parser.add_argument("--all", action="store_true")
     parser.add_argument("--ort-threads", type=int, default=None)
+    parser.add_argument("--ort-webgpu", default=None, help="pip --target dir of onnxruntime-webgpu")
+    parser.add_argument(
+        "--ort-webgpu-results", nargs="*", default=(), help="--json files of runs with it"
+    )
+    parser.add_argument("--json", default=None, help="write every measurement to this file")
+    parser.add_argument("--variants", nargs="*", default=None, help="variant ids or globs")
+    parser.add_argument("--tunables", default=None, help="JSON object of tunables for the plans")
+    parser.add_argument("--no-ort", action="store_true", help="time the kernels only")
+    parser.add_argument(
+        "--skip", nargs="*", default=(), help="CASE:VARIANT globs not to time (listed as skipped)"
+    )
+    parser.add_argument("--ort-runs", type=int, default=10, help="ORT CPU runs per case")
     args = parser.parse_args()
+    tunables = json.loads(args.tunables) if args.tunables else {}
 
     device = default_device()
     print(
@@ -106,99 +195,159 @@ def main() -> None:
     )
     print(f"ORT CPU threads: {args.ort_threads or 'default'} of {os.cpu_count()} cores")
     bandwidth = copy_bandwidth(device)
+    flop_rate = fma_rate(device)
     print(f"copy kernel bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s")
-    rng = np.random.default_rng(0)
-    rows, winners = _Rows(), []
+    print(f"FMA kernel rate (float32): {flop_rate / 1e12:.2f} TFLOP/s")
+    webgpu = OrtWebGpu(args.ort_webgpu) if args.ort_webgpu else None
+    cpu = None if args.no_ort else OrtCpu(args.ort_threads)
+    earlier = {}
+    for path in args.ort_webgpu_results:
+        earlier.update(json.loads(Path(path).read_text()).get("ortWebGpu", {}))
+    inputs = Inputs(np.random.default_rng(0))
+    rows, summary, record = _Rows(), [], {"ortWebGpu": {}, "cases": []}
+    record["ceilings"] = {"copyBytesPerSecond": bandwidth, "fmaFlopPerSecond": flop_rate}
     for op in args.ops:
         kernel = get_kernel(OPS[op])
         folder = next(f for f in package_folders() if f.name == op)
         for case in load_cases(folder / "bench.json"):
-            if args.cases and case.name not in args.cases:
+            if args.cases and not any(fnmatch.fnmatch(case.name, g) for g in args.cases):
                 continue
-            # Every tensor must fit one storage binding (the packages' bindingsFit rule):
-            # checked on shapes, before gigabytes of random weights are drawn.
-            limit = min(
-                device.limits["maxStorageBufferBindingSize"], device.limits["maxBufferSize"]
-            )
-            too_big = {
-                k: math.prod(v["shape"]) * _dtype(v).itemsize
-                for k, v in case.inputs.items()
-                if v is not None and math.prod(v["shape"]) * _dtype(v).itemsize > limit
-            }
+            too_big = _fits(case, device)
             if too_big and not args.all:
-                print(
-                    f"skip {op}/{case.name}: {too_big} bytes exceed this adapter's "
-                    f"{limit}-byte storage binding"
-                )
+                print(f"skip {op}/{case.name}: {too_big} bytes exceed one storage binding")
                 continue
             t0 = time.perf_counter()
-            call = case.materialize(rng)
-            run_ort = ort_session(op, call, case.attrs, args.ort_threads)
-            reference = run_ort()
-            ort_s = median(wall_times(run_ort, max(3, min(args.runs, 10))))
+            call = inputs.call(op, case)
+            model, tokens = case_label(case.name, call)
+            reference, ort_s, ort_version = None, None, None
+            if not args.no_ort:
+                run_ort, ort_version = cpu.runner(op, model, call, case.attrs), cpu.version
+                reference = run_ort()
+                ort_s = median(wall_times(run_ort, max(1, args.ort_runs)))
+            web = _webgpu(webgpu, earlier, op, case.name, model, call, case.attrs, reference)
+            record["ortWebGpu"][f"{op}/{case.name}"] = web
             used = weights_read(op, call, case.attrs)
-            best = None
-            probe = None
+            flops = layer_flops(call, case.attrs)
+            chosen, times, stage_record = None, {}, {}
             try:
-                probe = kernel.plan(attrs=case.attrs, **call)
+                probe = kernel.plan(attrs=case.attrs, tunables=tunables, **call)
+                chosen, rejected = probe.variant_id, probe.rejected
             except KernelCallError as exc:
-                reason = str(exc).split(": ", 1)[-1]
+                rejected = {vid: str(exc).split(": ", 1)[-1] for vid in kernel.variants}
             for vid in kernel.variants:
-                if probe is None or vid in probe.rejected:
-                    if vid.endswith("zero_inter"):
-                        continue
-                    why = reason if probe is None else probe.rejected[vid]
-                    rows.append(
-                        [
-                            op,
-                            case.name,
-                            vid,
-                            "-",
-                            f"{ort_s * 1e3:.2f}",
-                            "-",
-                            "-",
-                            f"n/a: {why[:100]}",
-                        ]
-                    )
+                if args.variants and not any(fnmatch.fnmatch(vid, g) for g in args.variants):
                     continue
-                plan = kernel.plan(attrs=case.attrs, variant=vid, **call)
-                times, method, out = time_variant(kernel, plan, args.runs, args.budget)
-                t = median(times)
-                if best is None or t < best[1]:
-                    best = (vid, t)
+                if vid in rejected:
+                    if not vid.endswith("zero_inter"):
+                        rows.append([op, case.name, vid, "-", "-", "-", "-", rejected[vid][:100]])
+                    continue
+                if any(fnmatch.fnmatch(f"{case.name}:{vid}", g) for g in args.skip):
+                    rows.append([op, case.name, vid, "-", "-", "-", "-", "skipped (--skip)"])
+                    continue
+                plan = kernel.plan(attrs=case.attrs, variant=vid, tunables=tunables, **call)
+                ts, method, out = time_variant(kernel, plan, args.runs, args.budget)
+                t = times[vid] = median(ts)
+                err = rel_err(out, reference) if reference is not None else float("nan")
+                if case_label(case.name, call)[1] <= 16 and ("decode" in vid or "gemv" in vid):
+                    stages = kernel.stage_times(plan, runs=5, warmup_seconds=0.2)
+                    if stages:
+                        method += "; stages us: " + ", ".join(
+                            f"{lab} {sec * 1e6:.1f}" for lab, sec in stages
+                        )
+                        stage_record[vid] = stages
                 rows.append(
                     [
                         op,
                         case.name,
                         vid,
-                        f"{t * 1e3:.2f}",
-                        f"{ort_s * 1e3:.2f}",
-                        f"{ort_s / t:.3g}x",
+                        f"{t * 1e3:.3f}",
+                        f"{err:.1e}",
                         f"{used / t / bandwidth:.1%}",
-                        f"{method} x{len(times)}, rel err vs ORT {rel_err(out, reference):.1e}",
+                        f"{flops / t / flop_rate:.1%}",
+                        f"{method} x{len(ts)}",
                     ]
                 )
-            if best:
-                winners.append(
-                    [op, case.name, best[0], f"{best[1] * 1e3:.2f}", f"{ort_s * 1e3:.2f}"]
-                )
+            entry = {
+                "op": op,
+                "case": case.name,
+                "model": model,
+                "tokens": tokens,
+                "chosen": chosen,
+                "variantSeconds": times,
+                "ortCpuSeconds": ort_s,
+                "ortCpuVersion": ort_version,
+                "weightBytes": used,
+                "flops": flops,
+                "tunables": tunables,
+                "stageSeconds": stage_record,
+            }
+            record["cases"].append(entry)
+            if args.json:  # after every case: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(record, indent=1))
+            if times:
+                summary.append(_summary_row(entry, web, bandwidth, flop_rate))
             print(f"done {op}/{case.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if webgpu:
+        webgpu.close()
+    print()
+    header = ["op", "case", "variant", "kernel ms", "err vs ORT CPU", "weights/copy", "FLOP/FMA"]
+    print_table([*header, "notes"], rows)
     print()
     print_table(
         [
             "op",
-            "case",
-            "variant",
-            "kernel ms (median)",
+            "model",
+            "tokens",
+            "planner's choice",
+            "fastest (ms)",
+            "next best (ms)",
+            "ORT WebGPU ms",
+            "WebGPU/ours",
             "ORT CPU ms",
-            "ORT/kernel",
-            "weight bytes/s vs copy",
-            "notes",
+            "CPU/ours",
+            "weights/copy",
+            "FLOP/FMA",
         ],
-        rows,
+        summary,
     )
-    print()
-    print_table(["op", "case", "fastest variant", "kernel ms", "ORT CPU ms"], winners)
+
+
+def _webgpu(webgpu, earlier, op, name, layer, call, attrs, reference) -> dict:
+    """onnxruntime-webgpu's median (or why not) for a case, printed as it comes."""
+    key = f"{op}/{name}"
+    if webgpu is None:
+        result = earlier.get(key, {"error": "not run (no --ort-webgpu)"})
+    else:
+        answer, out = webgpu.run(op, layer, call, attrs, runs=5)
+        if "times" in answer:
+            result = {"seconds": median(answer["times"]), "version": answer["version"]}
+            if reference is not None:
+                result["relErrVsOrtCpu"] = rel_err(out, reference)
+        else:
+            result = {"error": answer["error"]}
+    print(f"ORT WebGPU {key}: {result}", flush=True)
+    return result
+
+
+def _summary_row(entry: dict, web: dict, bandwidth: float, flop_rate: float) -> list[str]:
+    ranked = sorted(entry["variantSeconds"].items(), key=lambda kv: kv[1])
+    best_vid, best = ranked[0]
+    nxt = f"{ranked[1][0]} {ranked[1][1] * 1e3:.3f}" if len(ranked) > 1 else "-"
+    web_s, cpu_s = web.get("seconds"), entry["ortCpuSeconds"]
+    return [
+        entry["op"],
+        entry["model"],
+        str(entry["tokens"]),
+        entry["chosen"] or "-",
+        f"{best_vid} {best * 1e3:.3f}",
+        nxt,
+        f"{web_s * 1e3:.2f}" if web_s else f"n/a ({web.get('error', '')[:60]})",
+        f"{web_s / best:.3g}x" if web_s else "-",
+        f"{cpu_s * 1e3:.2f}" if cpu_s else "-",
+        f"{cpu_s / best:.3g}x" if cpu_s else "-",
+        f"{entry['weightBytes'] / best / bandwidth:.1%}",
+        f"{entry['flops'] / best / flop_rate:.1%}",
+    ]
 
 
 class _Rows(list):
@@ -207,12 +356,6 @@ class _Rows(list):
     def append(self, row: list) -> None:
         print("row: " + " | ".join(str(c) for c in row), flush=True)
         super().append(row)
-
-
-def _dtype(spec: dict) -> np.dtype:
-    from onnx_moe_fuse.kernels.planner import MANIFEST_DTYPES
-
-    return MANIFEST_DTYPES[spec["dtype"]]
 
 
 if __name__ == "__main__":

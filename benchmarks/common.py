@@ -2,6 +2,8 @@
 
 Benchmarks are scripts, not tests: they print medians and ratios against references run
 side by side in the same process. Absolute kernel times mean something only on a GPU.
+The ceilings measured in the same run: a vec4 copy kernel's bandwidth (the decode
+ceiling) and a vec4 FMA kernel's float32 rate (the prefill ceiling).
 """
 
 from __future__ import annotations
@@ -23,6 +25,29 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     if (i < arrayLength(&src)) {
         dst[i] = src[i];
     }
+}
+"""
+
+
+# Eight independent vec4 FMA chains per invocation (enough to hide the FMA latency), a
+# runtime trip count so the loop cannot be folded, one store so it cannot be removed.
+FMA_WGSL = """
+@group(0) @binding(0) var<storage, read_write> dst: array<vec4<f32>>;
+struct Params { trips: u32, seed: f32 }
+@group(0) @binding(1) var<uniform> params: Params;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        @builtin(num_workgroups) grid: vec3<u32>) {
+    let i = gid.x + gid.y * grid.x * 256u;
+    let m = vec4<f32>(0.999, 0.998, 0.997, 0.996);
+    let c = vec4<f32>(params.seed);
+    var a0 = vec4<f32>(f32(i)); var a1 = a0 + c; var a2 = a1 + c; var a3 = a2 + c;
+    var a4 = a3 + c; var a5 = a4 + c; var a6 = a5 + c; var a7 = a6 + c;
+    for (var t = 0u; t < params.trips; t = t + 1u) {
+        a0 = fma(a0, m, c); a1 = fma(a1, m, c); a2 = fma(a2, m, c); a3 = fma(a3, m, c);
+        a4 = fma(a4, m, c); a5 = fma(a5, m, c); a6 = fma(a6, m, c); a7 = fma(a7, m, c);
+    }
+    dst[i] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
 }
 """
 
@@ -131,6 +156,103 @@ def copy_bandwidth(device: Any, nbytes: int = 256 << 20, runs: int = 10) -> floa
     for buf in (src, dst, resolved):
         buf.destroy()
     return 2 * nbytes / median(seconds)
+
+
+def _gpu_seconds(device: Any, encode: Callable[[Any, dict | None], None], runs: int) -> list[float]:
+    """Seconds per run of ``encode`` (one compute pass), by timestamps where available."""
+    import wgpu
+
+    from onnx_moe_fuse.kernels.runtime import _timestamp_period_ns
+
+    d = device.device
+    warm = d.create_command_encoder(label="bench.warmup")
+    for _ in range(3):
+        encode(warm, None)
+    d.queue.submit([warm.finish()])
+    d._poll_wait()
+    if "timestamp-query" not in device.features:
+        seconds = []
+        for _ in range(runs):
+            encoder = d.create_command_encoder(label="bench.timed")
+            encode(encoder, None)
+            start = time.perf_counter()
+            d.queue.submit([encoder.finish()])
+            d._poll_wait()
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    queries = d.create_query_set(label="bench.timestamps", type="timestamp", count=2 * runs)
+    resolved = d.create_buffer(
+        label="bench.timestamps",
+        size=16 * runs,
+        usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
+    )
+    encoder = d.create_command_encoder(label="bench.timed")
+    for i in range(runs):
+        encode(
+            encoder,
+            {
+                "query_set": queries,
+                "beginning_of_pass_write_index": 2 * i,
+                "end_of_pass_write_index": 2 * i + 1,
+            },
+        )
+    encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
+    d.queue.submit([encoder.finish()])
+    ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
+    resolved.destroy()
+    return list((ticks[1::2] - ticks[0::2]) * _timestamp_period_ns(d) * 1e-9)
+
+
+def fma_rate(device: Any, runs: int = 10) -> float:
+    """float32 FLOP/s (an FMA counted as 2) of a WGSL kernel of independent vec4 FMA chains.
+
+    The prefill ceiling: sized to fill the adapter many times over on a GPU (about 2
+    million invocations x 1024 trips x 32 FMAs), much smaller on a CPU adapter.
+    """
+    import struct
+
+    import wgpu
+
+    d = device.device
+    gpu = device.kind == "gpu"
+    invocations, trips = (1 << 21, 1024) if gpu else (1 << 13, 64)
+    dst = d.create_buffer(
+        label="bench.fma.dst", size=16 * invocations, usage=wgpu.BufferUsage.STORAGE
+    )
+    params = d.create_buffer_with_data(
+        label="bench.fma.params",
+        data=struct.pack("<If8x", trips, 1e-3),
+        usage=wgpu.BufferUsage.UNIFORM,
+    )
+    module = d.create_shader_module(label="bench.fma", code=FMA_WGSL)
+    pipeline = d.create_compute_pipeline(
+        label="bench.fma", layout="auto", compute={"module": module, "entry_point": "main"}
+    )
+    group = d.create_bind_group(
+        label="bench.fma",
+        layout=pipeline.get_bind_group_layout(0),
+        entries=[
+            {"binding": 0, "resource": {"buffer": dst}},
+            {"binding": 1, "resource": {"buffer": params}},
+        ],
+    )
+    groups = invocations // 256
+    max_dim = device.limits["maxComputeWorkgroupsPerDimension"]
+    rows = -(-groups // max_dim)
+    grid = (groups // rows, rows, 1)
+
+    def encode(encoder: Any, writes: dict | None) -> None:
+        compute = encoder.begin_compute_pass(label="bench.fma", timestamp_writes=writes)
+        compute.set_pipeline(pipeline)
+        compute.set_bind_group(0, group)
+        compute.dispatch_workgroups(*grid)
+        compute.end()
+
+    seconds = _gpu_seconds(device, encode, runs)
+    dst.destroy()
+    params.destroy()
+    flops = 2.0 * 32 * trips * grid[0] * grid[1] * 256
+    return flops / min(seconds)
 
 
 def print_table(header: list[str], rows: list[list[Any]]) -> None:

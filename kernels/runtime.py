@@ -5,8 +5,9 @@ that name and version and returns a :class:`Kernel`. Calling it with the manifes
 bind keys as numpy arrays plans the call (see :mod:`.planner`), renders each pass's
 Jinja2 template with the pass's constants, takes the compute pipeline from a cache
 keyed by (template, rendered constants), packs uniforms by WGSL layout rules,
-allocates intermediates, runs every pass (``repeat`` groups once per index) in one
-command encoder, and reads every output back through one staging buffer.
+allocates intermediates, runs every pass (``repeat`` groups once per index) as one
+dispatch each, all in one compute pass of one command encoder and one submit, and reads
+every output back through one staging buffer.
 """
 
 from __future__ import annotations
@@ -118,12 +119,49 @@ class _Command:
     group: Any
     grid: tuple[int, int, int]
 
-    def encode(self, encoder: Any, timestamp_writes: dict | None = None) -> None:
-        compute = encoder.begin_compute_pass(label=self.label, timestamp_writes=timestamp_writes)
+    def encode(self, compute: Any) -> None:
         compute.set_pipeline(self.pipeline)
         compute.set_bind_group(0, self.group)
         compute.dispatch_workgroups(*self.grid)
-        compute.end()
+
+
+def encode_commands(
+    encoder: Any, commands: list[_Command], label: str, timestamp_writes: dict | None = None
+) -> None:
+    """Every dispatch of a run in ONE compute pass.
+
+    WebGPU orders the dispatches of a pass and makes each one's storage writes visible
+    to the next (every dispatch is its own usage scope), so passes need no pass break
+    between them; one pass saves the driver's per-pass barrier and bookkeeping, which on
+    the H200 cost more than a small decode dispatch itself.
+    """
+    compute = encoder.begin_compute_pass(label=label, timestamp_writes=timestamp_writes)
+    for command in commands:
+        command.encode(compute)
+    compute.end()
+
+
+def _warm_up(d: Any, commands: list[_Command], label: str, runs: int, seconds: float) -> None:
+    """At least ``runs`` runs and ``seconds`` of back-to-back GPU work.
+
+    An idle GPU drops its clock (the H200 to 345-900 MHz) and raises it only under load; a
+    loop of one short run per submit and wait keeps it mostly idle (a 40 us decode run
+    against about 100 us per submit), so runs are batched per submit, the batch doubling
+    until one submit holds at least 20 ms of work.
+    """
+    import time as clock
+
+    started, done, batch = clock.perf_counter(), 0, 1
+    while done < runs or clock.perf_counter() - started < seconds:
+        encoder = d.create_command_encoder(label=label)
+        for _ in range(batch):
+            encode_commands(encoder, commands, label)
+        submitted = clock.perf_counter()
+        d.queue.submit([encoder.finish()])
+        d._poll_wait()
+        done += batch
+        if clock.perf_counter() - submitted < 0.02 and batch < 4096:
+            batch *= 2
 
 
 def _timestamp_period_ns(device: Any) -> float:
@@ -255,8 +293,8 @@ class Kernel:
             d = self.device.device
             label = f"{self.name}.{plan.variant.id}"
             encoder = d.create_command_encoder(label=label)
-            for command in commands:
-                command.encode(encoder)
+            if commands:
+                encode_commands(encoder, commands, label)
             tensors, intermediates = buffers.tensors, buffers.intermediates
 
             # One staging buffer and one map for every output and every index-check flag.
@@ -371,8 +409,9 @@ class Kernel:
         With the adapter's ``timestamp-query`` feature each run is timed on the GPU, from
         the start of its first pass to the end of its last; otherwise by wall clock around
         a submit and a wait. Returns the times and the method ("gpu-timestamps"/"wall").
-        Warm-up runs go on for ``warmup_seconds`` at least: an idle GPU drops its clock
-        and needs a few hundred milliseconds of load to raise it again.
+        Warm-up runs go on for ``warmup_seconds`` at least, batched so that the GPU stays
+        busy (:func:`_warm_up`): an idle GPU drops its clock and needs a few hundred
+        milliseconds of load to raise it again.
         """
         import time as clock
 
@@ -384,20 +423,12 @@ class Kernel:
             commands = self._record(plan, buffers)
             if not commands:
                 return [0.0] * runs, "empty"
-            started, done = clock.perf_counter(), 0
-            while done < warmup or clock.perf_counter() - started < warmup_seconds:
-                encoder = d.create_command_encoder(label=f"{self.name}.warmup")
-                for command in commands:
-                    command.encode(encoder)
-                d.queue.submit([encoder.finish()])
-                d._poll_wait()
-                done += 1
+            _warm_up(d, commands, f"{self.name}.warmup", warmup, warmup_seconds)
             if "timestamp-query" not in self.device.features:
                 times = []
                 for _ in range(runs):
                     encoder = d.create_command_encoder(label=f"{self.name}.timed")
-                    for command in commands:
-                        command.encode(encoder)
+                    encode_commands(encoder, commands, f"{self.name}.timed")
                     start = clock.perf_counter()
                     d.queue.submit([encoder.finish()])
                     d._poll_wait()
@@ -413,22 +444,68 @@ class Kernel:
             )
             encoder = d.create_command_encoder(label=f"{self.name}.timed")
             for run in range(runs):
-                last = len(commands) - 1
-                for i, command in enumerate(commands):
-                    writes = {"query_set": queries}
-                    if i == 0:
-                        writes["beginning_of_pass_write_index"] = 2 * run
-                    if i == last:
-                        writes["end_of_pass_write_index"] = 2 * run + 1
-                    command.encode(
-                        encoder, timestamp_writes=writes if (i == 0 or i == last) else None
-                    )
+                writes = {
+                    "query_set": queries,
+                    "beginning_of_pass_write_index": 2 * run,
+                    "end_of_pass_write_index": 2 * run + 1,
+                }
+                encode_commands(encoder, commands, f"{self.name}.timed", writes)
             encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
             d.queue.submit([encoder.finish()])
             ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
             period_ns = _timestamp_period_ns(d)
             seconds = (ticks[1::2] - ticks[0::2]) * period_ns * 1e-9
             return [float(t) for t in seconds], "gpu-timestamps"
+        finally:
+            buffers.destroy()
+
+    def stage_times(
+        self, plan: Plan, runs: int = 10, warmup_seconds: float = 0.5
+    ) -> list[tuple[str, float]] | None:
+        """Median GPU seconds of each dispatch of the plan, labelled by pass id.
+
+        Timestamps are written inside the one compute pass, before every dispatch and
+        after the last, so a dispatch's time includes the wait for its predecessor (the
+        barrier between them). None without the adapter's
+        ``timestamp-query-inside-passes`` feature.
+        """
+        import wgpu
+        from wgpu.backends.wgpu_native.extras import write_timestamp
+
+        if "timestamp-query-inside-passes" not in self.device.features:
+            return None
+        d = self.device.device
+        buffers, _ = self._allocate(plan, poison_outputs=False)
+        try:
+            commands = self._record(plan, buffers)
+            if not commands:
+                return []
+            _warm_up(d, commands, f"{self.name}.warmup", 1, warmup_seconds)
+            marks = len(commands) + 1
+            queries = d.create_query_set(
+                label=f"{self.name}.stages", type="timestamp", count=marks * runs
+            )
+            resolved = d.create_buffer(
+                label=f"{self.name}.stages",
+                size=8 * marks * runs,
+                usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
+            )
+            encoder = d.create_command_encoder(label=f"{self.name}.stages")
+            for run in range(runs):
+                compute = encoder.begin_compute_pass(label=f"{self.name}.stages")
+                for i, command in enumerate(commands):
+                    write_timestamp(compute, queries, run * marks + i)
+                    command.encode(compute)
+                write_timestamp(compute, queries, run * marks + marks - 1)
+                compute.end()
+            encoder.resolve_query_set(queries, 0, marks * runs, resolved, 0)
+            d.queue.submit([encoder.finish()])
+            ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64)
+            seconds = np.diff(ticks.astype(np.float64).reshape(runs, marks), axis=1)
+            seconds *= _timestamp_period_ns(d) * 1e-9
+            resolved.destroy()
+            labels = [c.label.rsplit(".", 1)[-1] for c in commands]
+            return [(lab, float(np.median(seconds[:, i]))) for i, lab in enumerate(labels)]
         finally:
             buffers.destroy()
 

@@ -31,18 +31,27 @@ from helpers import (
     rel_err,
     run_all_variants,
 )
+from ort_compat import run_kernel_node
 
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.planner import KernelCallError
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders
 from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
-from onnx_moe_fuse.ort_nodes import run_kernel_node
 
 ort = pytest.importorskip("onnxruntime")
 
 FOLDER = next(f for f in package_folders() if f.name == "moe")
 CASES = load_cases(FOLDER / "test.json")
-VARIANTS = ["moe_zero_inter", "moe_grouped", "moe_gemv", "moe_stage"]
+VARIANTS = [
+    "moe_decode_fused",
+    "moe_zero_inter",
+    "moe_grouped",
+    "moe_gemv",
+    "moe_stage",
+    "moe_grouped_tiled8",
+    "moe_grouped_tiled16",
+]
+FUSED = "moe_decode_fused"
 
 
 # -- references ---------------------------------------------------------------------------
@@ -98,8 +107,16 @@ def ort_reference(call: dict, attrs: dict) -> np.ndarray | None:
 # -- test.json ----------------------------------------------------------------------------
 
 
+def _listed(ids: list[str]) -> list[str]:
+    """The variants this file knows, in manifest order.
+
+    The tiled prefill variants are tests/test_kernel_prefill.py's to list.
+    """
+    return [v for v in ids if not v.startswith("moe_grouped_tiled")]
+
+
 def test_kernel_lists_its_variants(device):
-    assert get_kernel("com.microsoft.MoE").variants == VARIANTS
+    assert _listed(get_kernel("com.microsoft.MoE").variants) == _listed(VARIANTS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -209,6 +226,7 @@ def test_random_cases(device, rng):
     assert runs >= 200
     for vid in ("moe_grouped", "moe_gemv", "moe_stage"):
         assert per_variant[vid] >= 25, per_variant
+    assert per_variant[FUSED] >= 20, per_variant
 
 
 def test_random_chunked_cases(device, rng):
@@ -254,15 +272,21 @@ def test_the_modes_ort_lacks_match_their_interleaved_form(device, rng):
         checked(kernel_out, ort_reference(call, attrs), f"{config} vs ORT (interleaved form)")
 
 
-def test_decode_prefers_gemv_and_prefill_grouped(device, rng):
+def test_decode_prefers_fused_and_prefill_grouped(device, rng):
+    """Decode: the fused path with subgroups, else gemv on a GPU and stage on a CPU adapter."""
     kernel = get_kernel("com.microsoft.MoE")
     call, attrs = random_call(rng, CONFIGS[10], 1, 2)
     plan = kernel.plan(attrs=attrs, tunables=SMALL_TUNABLES, **call)
-    assert plan.variant_id == "moe_gemv"
+    assert plan.variant_id == (FUSED if "subgroups" in device.features else "moe_gemv")
+    plan = kernel.plan(attrs=attrs, tunables=SMALL_TUNABLES, variant="moe_gemv", **call)
+    slowest_first = sorted(plan.priorities, key=plan.priorities.get)
+    cpu = device.adapter_info.get("adapterType") == "CPU"
+    assert slowest_first.index("moe_stage") > slowest_first.index("moe_gemv") or not cpu
     call, attrs = random_call(rng, CONFIGS[10], 64, 2)
     plan = kernel.plan(attrs=attrs, tunables={**SMALL_TUNABLES, "decodeBlockTarget": 16}, **call)
     assert plan.variant_id == "moe_grouped"
     assert "decodeOccupancyOk" in plan.rejected["moe_gemv"]
+    assert "decodeFusedTokensOk" in plan.rejected[FUSED]
 
 
 def test_zero_inter_is_chosen_only_without_fc2_bias(device, rng):

@@ -34,6 +34,7 @@ from helpers import (
     rel_err,
     run_all_variants,
 )
+from ort_compat import run_kernel_node
 
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.device import default_device
@@ -42,20 +43,23 @@ from onnx_moe_fuse.kernels.planner import DeviceFacts, KernelCallError, make_pla
 from onnx_moe_fuse.kernels.runtime import Kernel, get_kernel, package_folders
 from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
 from onnx_moe_fuse.oracles.quant import quantize_symmetric
-from onnx_moe_fuse.ort_nodes import run_kernel_node
 
 ort = pytest.importorskip("onnxruntime")
 
 FOLDER = next(f for f in package_folders() if f.name == "qmoe")
 CASES = load_cases(FOLDER / "test.json")
 VARIANTS = [
+    "quant_decode_fused",
     "quant_zero_inter",
     "quant_grouped_sgmat_routed",
     "quant_grouped_routed",
     "quant_gemv_routed",
     "quant_split_routed",
+    "quant_grouped_tiled8_routed",
+    "quant_grouped_tiled16_routed",
 ]
 SGMAT = "quant_grouped_sgmat_routed"
+FUSED = "quant_decode_fused"
 
 
 # -- references ---------------------------------------------------------------------------
@@ -91,8 +95,16 @@ def _subgroup_rejection_ok(plan_rejected: dict, device) -> None:
 # -- test.json ----------------------------------------------------------------------------
 
 
+def _listed(ids: list[str]) -> list[str]:
+    """The variants this file knows, in manifest order.
+
+    The tiled prefill variants are tests/test_kernel_prefill.py's to list.
+    """
+    return [v for v in ids if not v.startswith("quant_grouped_tiled")]
+
+
 def test_kernel_lists_its_variants(device):
-    assert get_kernel("com.microsoft.QMoE").variants == VARIANTS
+    assert _listed(get_kernel("com.microsoft.QMoE").variants) == _listed(VARIANTS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -144,6 +156,10 @@ CONFIGS = [
     (3, 18, 10, 3, 8, None, "swiglu", 1, False, False, 2.0),
     (2, 16, 64, 2, 4, 16, "silu", 0, False, False, None),
     (2, 48, 32, 1, 8, 16, "swiglu", 2, False, True, None),
+    # Rows of whole 16-byte pieces (the fused decode path): 4-bit with block 16 (two
+    # scales a piece) and column-wise 4-bit.
+    (4, 64, 32, 2, 4, 16, "swiglu", 1, True, True, 7.0),
+    (4, 64, 32, 3, 4, None, "gelu", 0, True, True, None),
 ]
 TOKENS = [1, 2, 3, 5, 9, 17, 33, 40, 64]
 
@@ -206,6 +222,7 @@ def test_random_cases(device, rng):
     assert runs >= 200
     for vid in ("quant_grouped_routed", "quant_gemv_routed", "quant_split_routed"):
         assert per_variant[vid] >= 30, per_variant
+    assert per_variant[FUSED] >= 20, per_variant
 
 
 def test_random_chunked_cases(device, rng):
@@ -246,20 +263,22 @@ def test_grouped_sgmat_is_never_chosen_without_32_wide_subgroups(device, rng):
     if wave32:
         assert plan.variant_id == SGMAT
         return
-    assert plan.variant_id == "quant_grouped_routed"
+    cpu = device.adapter_info.get("adapterType") == "CPU"
+    assert plan.variant_id == ("quant_split_routed" if cpu else "quant_grouped_routed")
     reason = plan.rejected[SGMAT]
     assert "sgmatSubgroupOk" in reason and "subgroupMinSize == 32" in reason, reason
     with pytest.raises(KernelCallError, match="sgmatSubgroupOk"):
         kernel(attrs=attrs, variant=SGMAT, **call)
 
 
-def _facts(width: int, features=("subgroups",), storage=49152) -> DeviceFacts:
+def _facts(
+    width: int, features=("subgroups",), storage=49152, adapter_type="DiscreteGPU"
+) -> DeviceFacts:
     limits = dict(default_device().limits)
     limits["maxStorageBufferBindingSize"] = 2147483644
     limits["maxComputeWorkgroupStorageSize"] = storage
-    return DeviceFacts(
-        limits, frozenset(features), {"subgroupMinSize": width, "subgroupMaxSize": width}
-    )
+    info = {"subgroupMinSize": width, "subgroupMaxSize": width, "adapterType": adapter_type}
+    return DeviceFacts(limits, frozenset(features), info)
 
 
 def test_planner_on_described_adapters(device, rng):
@@ -267,17 +286,30 @@ def test_planner_on_described_adapters(device, rng):
     manifest = load_manifest(FOLDER / "manifest.json")
     prefill, attrs = random_call(rng, CONFIGS[10], 40, 2)
     decode, _ = random_call(rng, CONFIGS[10], 1, 2)
-    assert make_plan(manifest, _facts(32), prefill, attrs).variant_id == SGMAT
-    assert make_plan(manifest, _facts(32), decode, attrs).variant_id == "quant_split_routed"
+    # prefill on a GPU: the tiled variant (faster than grouped-sgmat on the H200,
+    # docs/kernels-moe.md), grouped-sgmat next; few slots per expert: tiled8 with the short loop
+    h200 = make_plan(manifest, _facts(32), prefill, attrs)
+    assert h200.variant_id == "quant_grouped_tiled8_loop_routed", h200.priorities
+    assert sorted(h200.priorities, key=h200.priorities.get)[-2] == SGMAT, h200.priorities
+    assert make_plan(manifest, _facts(32), decode, attrs).variant_id == FUSED
+    # A CPU adapter (lavapipe, 8 lanes): the fused decode path, and split for prefill,
+    # which there beats grouped (docs/kernels-moe.md's lavapipe table).
+    cpu = _facts(8, adapter_type="CPU")
+    assert make_plan(manifest, cpu, decode, attrs).variant_id == FUSED
+    assert make_plan(manifest, cpu, prefill, attrs).variant_id == "quant_split_routed"
+    no_subgroups = make_plan(manifest, _facts(32, features=()), decode, attrs)
+    assert no_subgroups.variant_id == "quant_split_routed"
+    assert "requires device feature 'subgroups'" in no_subgroups.rejected[FUSED]
     for facts, reason in (
         (_facts(16), "sgmatSubgroupOk"),
         (_facts(32, features=()), "requires device feature 'subgroups'"),
         (_facts(32, storage=8192), "groupedSgmatSharedBytes"),
     ):
         plan = make_plan(manifest, facts, prefill, attrs)
-        assert plan.variant_id == "quant_grouped_routed"
+        assert SGMAT not in plan.priorities
         assert reason in plan.rejected[SGMAT], plan.rejected[SGMAT]
-    # Real decode sizes (H = I = 256 here) go to the gemv variant.
+    # Real decode sizes (H = I = 256 here) go to the fused decode variant; without
+    # subgroups to the gemv variant; 17 tokens are past the fused path.
     e, h, inter = 4, 256, 256
     big = {
         "inputT": np.zeros((1, h), np.float32),
@@ -288,7 +320,16 @@ def test_planner_on_described_adapters(device, rng):
         "fc2ScalesT": np.zeros((e, h), np.float32),
     }
     plan = make_plan(manifest, _facts(32), big, {**attrs, "block_size": 0})
+    assert plan.variant_id == FUSED
+    plan = make_plan(manifest, _facts(32, features=()), big, {**attrs, "block_size": 0})
     assert plan.variant_id == "quant_gemv_routed"
+    many = {
+        **big,
+        "inputT": np.zeros((17, h), np.float32),
+        "routerT": np.zeros((17, e), np.float32),
+    }
+    plan = make_plan(manifest, _facts(32), many, {**attrs, "block_size": 0})
+    assert "decodeFusedTokensOk" in plan.rejected[FUSED], plan.rejected[FUSED]
 
 
 def _kernel_at_width(width: int) -> Kernel:
@@ -323,7 +364,7 @@ def test_grouped_subgroup_kernel_at_the_measured_subgroup_width(device, rng):
         if SGMAT in plan.rejected:
             assert "groupedShapeOk" in plan.rejected[SGMAT], plan.rejected[SGMAT]
             continue
-        assert plan.variant_id == SGMAT
+        assert SGMAT not in plan.rejected  # chosen on a GPU; split outranks it on a CPU
         out = kernel(attrs=attrs, variant=SGMAT, poison_outputs=True, **call)["outputT"]
         checked(out, oracle(call, attrs), f"sgmat@{width} {i}: {config} T={tokens}")
         runs += 1
@@ -333,16 +374,21 @@ def test_grouped_subgroup_kernel_at_the_measured_subgroup_width(device, rng):
 # -- plans and errors ---------------------------------------------------------------------
 
 
-def test_decode_prefers_gemv_and_prefill_grouped_on_this_adapter(device, rng):
+def test_decode_prefers_fused_and_prefill_per_adapter_kind(device, rng):
+    """Decode takes the fused path; prefill grouped on a GPU, split on a CPU adapter."""
     kernel = get_kernel("com.microsoft.QMoE")
     call, attrs = random_call(rng, CONFIGS[10], 1, 2)
     plan = kernel.plan(attrs=attrs, tunables=SMALL_TUNABLES, **call)
-    assert plan.variant_id == "quant_gemv_routed"
+    assert plan.variant_id == (FUSED if "subgroups" in device.features else "quant_gemv_routed")
     assert "groupedShapeOk" in plan.rejected["quant_grouped_routed"]
     call, attrs = random_call(rng, CONFIGS[10], 64, 2)
     plan = kernel.plan(attrs=attrs, tunables={**SMALL_TUNABLES, "decodeBlockTarget": 16}, **call)
-    assert plan.variant_id in ("quant_grouped_routed", SGMAT)
+    if device.adapter_info.get("adapterType") == "CPU":
+        assert plan.variant_id == "quant_split_routed"
+    else:
+        assert plan.variant_id in ("quant_grouped_routed", SGMAT)
     assert "decodeOccupancyOk" in plan.rejected["quant_gemv_routed"]
+    assert "decodeFusedTokensOk" in plan.rejected[FUSED]
 
 
 def test_chunk_size_follows_the_binding_limit(device, rng):
@@ -359,5 +405,7 @@ def test_chunk_size_follows_the_binding_limit(device, rng):
 
 def test_binding_sets_name_only_declared_intermediates():
     manifest = load_manifest(FOLDER / "manifest.json")
-    assert [v.id for v in manifest.variants] == VARIANTS
-    assert manifest.variants[1].requires.features == ("subgroups",)
+    assert _listed([v.id for v in manifest.variants]) == _listed(VARIANTS)
+    by_id = {v.id: v for v in manifest.variants}
+    assert by_id[SGMAT].requires.features == ("subgroups",)
+    assert by_id[FUSED].requires.features == ("subgroups",)
