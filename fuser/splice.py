@@ -120,9 +120,7 @@ def _to_copy(fused: ir.Node) -> tuple[list[ir.Node], list[ir.Value], list[ir.Val
     return copied, list(origin.values()), list(constants.values())
 
 
-def _region(
-    output: ir.Value, boundary: list[ir.Value]
-) -> tuple[nx.DiGraph, dict[int, ir.Node]]:
+def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dict[int, ir.Node]]:
     """The original nodes the output depends on, back to the boundary values and constants."""
     stop = {id(v) for v in boundary}
     reached: set[int] = set()
@@ -137,8 +135,10 @@ def _region(
             continue
         region[id(node)] = node
         g.add_node(("n", id(node)))
-        if any(a.type == ir.AttributeType.GRAPH or a.type == ir.AttributeType.GRAPHS
-               for a in node.attributes.values()):
+        if any(
+            a.type == ir.AttributeType.GRAPH or a.type == ir.AttributeType.GRAPHS
+            for a in node.attributes.values()
+        ):
             raise SpliceRefusal(
                 f"the layer holds control flow ({node.op_type} '{_label(node)}')",
             )
@@ -159,8 +159,11 @@ def _region(
                     continue
                 raise SpliceRefusal(
                     f"the layer in the model reads '{v.name}' "
-                    + ("(a graph input with a default initializer)" if v.is_initializer()
-                       else "(a graph input)")
+                    + (
+                        "(a graph input with a default initializer)"
+                        if v.is_initializer()
+                        else "(a graph input)"
+                    )
                     + ", which the fused node does not take",
                     v.name,
                 )

@@ -190,9 +190,7 @@ def ops_for(target: str) -> frozenset[str]:
     return frozenset(CONTRACTS[check_target(target)])
 
 
-def refusal(
-    op: str, activation: str | None, target: str, dtype: str | None = None
-) -> str | None:
+def refusal(op: str, activation: str | None, target: str, dtype: str | None = None) -> str | None:
     """Why a fused ``op`` node (its ``activation_type``, input-0 ``dtype``) cannot go to ``target``.
 
     None when the target has a kernel for it. The reason names the target and the alternative.

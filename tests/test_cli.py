@@ -20,9 +20,14 @@ from onnx_moe_fuse.samples import get_sample
 
 def _save(tmp_path: Path, name: str, external: bool = False) -> Path:
     path = tmp_path / f"{name}.onnx"
-    onnx.save_model(get_sample(name).model, path, save_as_external_data=external,
-                    all_tensors_to_one_file=True, location=f"{name}.onnx.data",
-                    size_threshold=256)
+    onnx.save_model(
+        get_sample(name).model,
+        path,
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location=f"{name}.onnx.data",
+        size_threshold=256,
+    )
     return path
 
 
@@ -77,8 +82,9 @@ def test_refuses_to_overwrite_the_input(tmp_path, capsys):
     assert src.read_bytes() == before
 
 
-@pytest.mark.parametrize("args", [["missing.onnx", "-o", "x.onnx"], ["bad.onnx", "-o", "x.onnx"],
-                                  ["model.onnx"], []])
+@pytest.mark.parametrize(
+    "args", [["missing.onnx", "-o", "x.onnx"], ["bad.onnx", "-o", "x.onnx"], ["model.onnx"], []]
+)
 def test_bad_usage_and_bad_files_exit_2(tmp_path, monkeypatch, capsys, args):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
@@ -113,8 +119,12 @@ def test_failed_verification_exits_1_and_writes_nothing(device, tmp_path, monkey
 
 def test_console_script_demo(device, tmp_path):
     out = tmp_path / "demo.onnx"
-    done = subprocess.run([sys.executable, "-m", "onnx_moe_fuse.cli", "--demo", "-o", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "onnx_moe_fuse.cli", "--demo", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verification PASSED" in done.stdout
     assert np.any([n.op_type == "QMoE" for n in onnx.load(out).graph.node])

@@ -544,7 +544,13 @@ def test_exports_and_handwritten_layers_compute_the_same_and_lose_no_fusion(name
     result = FoldShapesPass()(original.clone())
     assert ir.to_proto(original).SerializeToString() == before  # the clone shares the tensors
     after = ir.to_proto(result.model)
-    assert_same_outputs(model, after, _feeds(model, rng))
+    feeds = _feeds(model, rng)
+    if path is not None and path.with_suffix(".npz").exists():
+        # an export's own reference input: the traced eager loop (mixtral_eager_torchscript)
+        # only runs on inputs that hit every expert its example hit, and that one does
+        reference = np.load(path.with_suffix(".npz"))
+        feeds = {k: reference[k] for k in feeds if k in reference} or feeds
+    assert_same_outputs(model, after, feeds)
     assert len(fuse(after).report.fusions) >= len(fuse(model).report.fusions)
 
 

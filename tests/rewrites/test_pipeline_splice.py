@@ -75,7 +75,9 @@ def test_router_through_a_row_preserving_reshape_fuses() -> None:
     """Tokens reshaped to rows and back (same last axis) are still the same rows."""
     m = _copy(get_sample(SAMPLE).model)
     _node(m, "router_logits").input[0] = "x_rows"
-    m.graph.initializer.append(helper.make_tensor("rows_shape", onnx.TensorProto.INT64, [2], [-1, 64]))
+    m.graph.initializer.append(
+        helper.make_tensor("rows_shape", onnx.TensorProto.INT64, [2], [-1, 64])
+    )
     m.graph.node.insert(0, helper.make_node("Reshape", ["x", "rows_shape"], ["x_rows"]))
     result = fuse(m)
     assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
@@ -91,17 +93,24 @@ def test_unfused_layer_and_everything_outside_stay_byte_identical() -> None:
     )
     result = fuse(merged)
     assert len(result.report.fusions) == 1
-    kept = [n for n in result.model.graph.node if n.name.startswith("b_") or
-            any(o.startswith("b_") for o in n.output)]
+    kept = [
+        n
+        for n in result.model.graph.node
+        if n.name.startswith("b_") or any(o.startswith("b_") for o in n.output)
+    ]
     # serialising through onnx-ir drops explicitly-set empty strings (merge_models writes
     # name "" on every node), so compare with the original as onnx-ir writes it
     normal = ir.serde.serialize_model(ir.serde.deserialize_model(merged))
     want = [n for n in normal.graph.node if any(o.startswith("b_") for o in n.output)]
     assert [n.SerializeToString() for n in kept] == [n.SerializeToString() for n in want]
-    b_inits = {i.name: i.SerializeToString() for i in merged.graph.initializer
-               if i.name.startswith("b_")}
-    got = {i.name: i.SerializeToString() for i in result.model.graph.initializer
-           if i.name.startswith("b_")}
+    b_inits = {
+        i.name: i.SerializeToString() for i in merged.graph.initializer if i.name.startswith("b_")
+    }
+    got = {
+        i.name: i.SerializeToString()
+        for i in result.model.graph.initializer
+        if i.name.startswith("b_")
+    }
     assert got == b_inits
 
 
@@ -148,7 +157,8 @@ def test_fused_model_keeps_every_node_outside_the_region() -> None:
     assert _node(result.model, "after").name == "after_layer"
     feeds = random_feeds(s.model, env_seed(), s.dim_values)
     ref = run_reference(m, feeds)
-    got = dict(zip([o.name for o in m.graph.output], session(result.model).run(None, feeds),
-                   strict=True))
+    got = dict(
+        zip([o.name for o in m.graph.output], session(result.model).run(None, feeds), strict=True)
+    )
     for name, want in ref.items():
         assert nonzero_rel_err(got[name], want) <= 1e-5
