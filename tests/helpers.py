@@ -214,3 +214,35 @@ def run_all_variants(
             checked(out, ort_out, f"{what} [{vid}] vs ORT")
     assert errors, f"{what}: no variant accepts the call"
     return errors
+
+
+def decompose_grouped_matmul(model: Any, opset: int = 18) -> onnx.ModelProto:
+    """A copy of an ``onnx_ir.Model`` with each GroupedMatMul as Gather/Unsqueeze/MatMul/Squeeze.
+
+    The canonical passes write GroupedMatMul (opset 29), which ONNX Runtime 1.32 cannot run:
+    this spells each node out as its ONNX function body does (``+ Gather(bias, idx)`` for a
+    bias input) at ``opset``, so a canonicalised working copy can be run and compared.
+    """
+    import onnx_ir as ir
+
+    work = model.clone()
+    graph = work.graph
+    for node in [n for n in graph if n.op_type == "GroupedMatMul"]:
+        x, w, idx = node.inputs[:3]
+        axes12 = ir.Value(name=f"{node.name}_a12", const_value=ir.tensor(np.array([1, 2])))
+        axes2 = ir.Value(name=f"{node.name}_a2", const_value=ir.tensor(np.array([2])))
+        graph.register_initializer(axes12)
+        graph.register_initializer(axes2)
+        sel = ir.node("Gather", [w, idx], {"axis": 0})  # [M, S, K, N]
+        lhs = ir.node("Unsqueeze", [x, axes12])  # [M, 1, 1, K]
+        mm = ir.node("MatMul", [lhs.outputs[0], sel.outputs[0]])  # [M, S, 1, N]
+        out = ir.node("Squeeze", [mm.outputs[0], axes2])
+        new = [sel, lhs, mm, out]
+        if len(node.inputs) > 3 and node.inputs[3] is not None:  # + bias[idx]
+            bias = ir.node("Gather", [node.inputs[3], idx], {"axis": 0})
+            out = ir.node("Add", [out.outputs[0], bias.outputs[0]])
+            new += [bias, out]
+        ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, out.outputs)
+    work.opset_imports[""] = opset
+    work.graph.opset_imports[""] = opset
+    return ir.serde.serialize_model(work)

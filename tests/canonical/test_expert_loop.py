@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import decompose_grouped_matmul
 from loop_models import MUTATIONS, LoopSpec, build_loop
 
 import onnx_moe_fuse
@@ -35,27 +36,6 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     so.log_severity_level = 3
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess.run(["out"], {"x": x})[0]
-
-
-def decomposed(model: ir.Model, opset: int = 18) -> onnx.ModelProto:
-    """A copy with each GroupedMatMul as Gather/Unsqueeze/MatMul/Squeeze, at ``opset``."""
-    work = model.clone()
-    graph = work.graph
-    for node in [n for n in graph if n.op_type == "GroupedMatMul"]:
-        x, w, idx = node.inputs[:3]
-        axes12 = ir.Value(name=f"{node.name}_a12", const_value=ir.tensor(np.array([1, 2])))
-        axes2 = ir.Value(name=f"{node.name}_a2", const_value=ir.tensor(np.array([2])))
-        graph.register_initializer(axes12)
-        graph.register_initializer(axes2)
-        sel = ir.node("Gather", [w, idx], {"axis": 0})  # [M, S, K, N]
-        lhs = ir.node("Unsqueeze", [x, axes12])  # [M, 1, 1, K]
-        mm = ir.node("MatMul", [lhs.outputs[0], sel.outputs[0]])  # [M, S, 1, N]
-        out = ir.node("Squeeze", [mm.outputs[0], axes2])
-        new = [sel, lhs, mm, out]
-        ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, out.outputs)
-    work.opset_imports[""] = opset
-    work.graph.opset_imports[""] = opset
-    return ir.serde.serialize_model(work)
 
 
 def _bytes(model: ir.Model) -> bytes:
@@ -90,7 +70,7 @@ def test_loop_becomes_per_slot_grouped_matmul_with_the_same_numbers(spec: LoopSp
     assert not {"NonZero", "OneHot", "ScatterElements", "ScatterND"} & set(ops)
     assert model.graph.outputs[0].name == "out"
     assert model.opset_imports[""] == 29
-    rewritten = decomposed(model)
+    rewritten = decompose_grouped_matmul(model)
     rng = np.random.default_rng(spec.seed + 100)
     for tokens in (1, spec.experts - 1, 7):
         x = rng.standard_normal((tokens, H)).astype(np.float32)

@@ -26,6 +26,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import decompose_grouped_matmul
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sorted_models import BlockSpec, build_block
@@ -62,31 +63,6 @@ def _run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.nd
     so.log_severity_level = 3  # unused initializers of the rewritten block are not news
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)
-
-
-def _decomposed(model: ir.Model, opset: int) -> onnx.ModelProto:
-    """A copy with each GroupedMatMul as Gather/Unsqueeze/MatMul/Squeeze (+ bias), at ``opset``."""
-    work = model.clone()
-    graph = work.graph
-    for node in [n for n in graph if n.op_type == "GroupedMatMul"]:
-        x, w, idx = node.inputs[:3]
-        axes12 = ir.Value(name=f"{node.name}_a12", const_value=ir.tensor(np.array([1, 2])))
-        axes2 = ir.Value(name=f"{node.name}_a2", const_value=ir.tensor(np.array([2])))
-        graph.register_initializer(axes12)
-        graph.register_initializer(axes2)
-        sel = ir.node("Gather", [w, idx], {"axis": 0})  # [M, S, K, N]
-        lhs = ir.node("Unsqueeze", [x, axes12])  # [M, 1, 1, K]
-        mm = ir.node("MatMul", [lhs.outputs[0], sel.outputs[0]])  # [M, S, 1, N]
-        out = ir.node("Squeeze", [mm.outputs[0], axes2])
-        new = [sel, lhs, mm, out]
-        if len(node.inputs) > 3 and node.inputs[3] is not None:  # + bias[idx]
-            bias = ir.node("Gather", [node.inputs[3], idx], {"axis": 0})
-            out = ir.node("Add", [out.outputs[0], bias.outputs[0]])
-            new += [bias, out]
-        ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, out.outputs)
-    work.opset_imports[""] = opset
-    work.graph.opset_imports[""] = opset
-    return ir.serde.serialize_model(work)
 
 
 def _canonical(model: ir.Model) -> tuple[ir.Model, CanonicalSortedExpertsPass, bool]:
@@ -140,7 +116,7 @@ def test_sample_pass_alone_keeps_the_numbers():
     original = _sample()
     work, _, _ = _canonical(original)
     src = ir.serde.serialize_model(original)
-    canon = _decomposed(work, 20)
+    canon = decompose_grouped_matmul(work, 20)
     rng = np.random.default_rng(7)
     for shape in [(1, 1), (1, 7), (3, 5), (4, 33)]:
         x = rng.standard_normal((*shape, 64), dtype=np.float32)
@@ -330,7 +306,7 @@ def test_whole_model_exports(path: Path):
         np.testing.assert_array_equal(got, want)
     else:
         work, _, _ = _canonical(original)
-        (got,) = _run_ort(_decomposed(work, original.opset_imports[""]), feeds)
+        (got,) = _run_ort(decompose_grouped_matmul(work, original.opset_imports[""]), feeds)
         np.testing.assert_allclose(got, ref["logits"], rtol=1e-4, atol=1e-4 * scale)
 
 
@@ -473,7 +449,7 @@ def test_hand_written_blocks_keep_their_numbers(spec: BlockSpec, tokens: int):
         (tokens, spec.hidden), dtype=np.float32
     )
     (want,) = _run_ort(proto, {"x": x})
-    (got,) = _run_ort(_decomposed(work, 20), {"x": x})
+    (got,) = _run_ort(decompose_grouped_matmul(work, 20), {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

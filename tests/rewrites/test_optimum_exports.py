@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import decompose_grouped_matmul
 
 import onnx_moe_fuse
 from onnx_moe_fuse.rewrites.canonical import canonicalisation_passes
@@ -23,26 +24,6 @@ from onnx_moe_fuse.rewrites.canonical.loop_experts import expert_loop_refusals
 
 OPTIMUM = Path(__file__).resolve().parents[2] / "sample_models" / "exported" / "optimum"
 LOOPS = ["qwen3_moe_optimum", "qwen3_moe_optimum_no_norm", "qwen3_moe_optimum_dynamo"]
-
-
-def _decomposed(model: ir.Model) -> bytes:
-    """A copy at opset 18 with each GroupedMatMul as Gather/Unsqueeze/MatMul/Squeeze."""
-    work = model.clone()
-    graph = work.graph
-    for node in [n for n in graph if n.op_type == "GroupedMatMul"]:
-        x, w, idx = node.inputs[:3]
-        a12 = ir.Value(name=f"{node.name}_a12", const_value=ir.tensor(np.array([1, 2])))
-        a2 = ir.Value(name=f"{node.name}_a2", const_value=ir.tensor(np.array([2])))
-        graph.register_initializer(a12)
-        graph.register_initializer(a2)
-        sel = ir.node("Gather", [w, idx], {"axis": 0})
-        lhs = ir.node("Unsqueeze", [x, a12])
-        mm = ir.node("MatMul", [lhs.outputs[0], sel.outputs[0]])
-        out = ir.node("Squeeze", [mm.outputs[0], a2])
-        new = [sel, lhs, mm, out]
-        ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, out.outputs)
-    work.opset_imports[""] = work.graph.opset_imports[""] = 18
-    return ir.serde.serialize_model(work).SerializeToString()
 
 
 def _run(model_bytes: bytes, x: np.ndarray) -> np.ndarray:
@@ -68,7 +49,7 @@ def test_loop_is_proved_and_the_canonical_copy_keeps_the_numbers(name: str):
     assert passes[loop_at](model).modified
     assert not any(n.op_type == "NonZero" for n in model.graph)
     x, want = _reference(name)
-    got = _run(_decomposed(model), x)
+    got = _run(decompose_grouped_matmul(model).SerializeToString(), x)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
