@@ -75,6 +75,20 @@ def wall_times(fn: Callable[[], Any], runs: int, warmup: int = 1) -> list[float]
     return times
 
 
+def _pipeline(d, label: str, wgsl: str, buffers: list) -> tuple:
+    """A compute pipeline of ``wgsl``'s ``main`` and its bind group (binding i = buffers[i])."""
+    module = d.create_shader_module(label=label, code=wgsl)
+    pipeline = d.create_compute_pipeline(
+        label=label, layout="auto", compute={"module": module, "entry_point": "main"}
+    )
+    group = d.create_bind_group(
+        label=label,
+        layout=pipeline.get_bind_group_layout(0),
+        entries=[{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)],
+    )
+    return pipeline, group
+
+
 def copy_bandwidth(device: Any, nbytes: int = 256 << 20, runs: int = 10) -> float:
     """Bytes per second moved (read + write counted) by a vec4 copy kernel on ``device``.
 
@@ -89,18 +103,7 @@ def copy_bandwidth(device: Any, nbytes: int = 256 << 20, runs: int = 10) -> floa
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST
     src = d.create_buffer(label="bench.copy.src", size=nbytes, usage=usage)
     dst = d.create_buffer(label="bench.copy.dst", size=nbytes, usage=usage)
-    module = d.create_shader_module(label="bench.copy", code=COPY_WGSL)
-    pipeline = d.create_compute_pipeline(
-        label="bench.copy", layout="auto", compute={"module": module, "entry_point": "main"}
-    )
-    group = d.create_bind_group(
-        label="bench.copy",
-        layout=pipeline.get_bind_group_layout(0),
-        entries=[
-            {"binding": 0, "resource": {"buffer": src}},
-            {"binding": 1, "resource": {"buffer": dst}},
-        ],
-    )
+    pipeline, group = _pipeline(d, "bench.copy", COPY_WGSL, [src, dst])
     groups = -(-(nbytes // 16) // 256)
     max_dim = device.limits["maxComputeWorkgroupsPerDimension"]
     rows = -(-groups // max_dim)
@@ -224,18 +227,7 @@ def fma_rate(device: Any, runs: int = 10) -> float:
         data=struct.pack("<If8x", trips, 1e-3),
         usage=wgpu.BufferUsage.UNIFORM,
     )
-    module = d.create_shader_module(label="bench.fma", code=FMA_WGSL)
-    pipeline = d.create_compute_pipeline(
-        label="bench.fma", layout="auto", compute={"module": module, "entry_point": "main"}
-    )
-    group = d.create_bind_group(
-        label="bench.fma",
-        layout=pipeline.get_bind_group_layout(0),
-        entries=[
-            {"binding": 0, "resource": {"buffer": dst}},
-            {"binding": 1, "resource": {"buffer": params}},
-        ],
-    )
+    pipeline, group = _pipeline(d, "bench.fma", FMA_WGSL, [dst, params])
     groups = invocations // 256
     max_dim = device.limits["maxComputeWorkgroupsPerDimension"]
     rows = -(-groups // max_dim)

@@ -15,7 +15,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 from spellings.build import build_case
-from spellings.strategies import LayerCase
+from spellings.strategies import SMALL_BASE
 
 from onnx_moe_fuse.canonicalise import canonicalise
 from onnx_moe_fuse.rewrites._graph_facts import Refusal
@@ -30,24 +30,7 @@ from onnx_moe_fuse.rewrites.parts.projections import (
 )
 from onnx_moe_fuse.rewrites.parts.routing import recognise_routing
 
-BASE = LayerCase(
-    router="matmul",
-    routing="softmax_topk_div",
-    experts="gather_expand",
-    activation="swiglu_separate",
-    combine="mul_reducesum",
-    weight_dtype="float32",
-    granularity="channel",
-    zero_point="absent",
-    rank=2,
-    shapes="symbolic",
-    hidden=16,
-    inter=8,
-    experts_count=4,
-    top_k=2,
-    token_dims=(5,),
-    seed=3,
-)
+BASE = SMALL_BASE
 
 
 def layer(**changes) -> ir.Model:

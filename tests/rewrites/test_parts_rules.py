@@ -19,28 +19,11 @@ from onnxscript import rewriter
 from onnxscript.rewriter import pattern
 from spellings.build import build_case
 from spellings.outcomes import check_equivalent, check_mutant, relative_error, session
-from spellings.strategies import LayerCase
+from spellings.strategies import SMALL_BASE
 
 from onnx_moe_fuse.rewrites.moe_layer import moe_layer_rule_set
 
-BASE = LayerCase(
-    router="matmul",
-    routing="softmax_topk_div",
-    experts="gather_expand",
-    activation="swiglu_separate",
-    combine="mul_reducesum",
-    weight_dtype="float32",
-    granularity="channel",
-    zero_point="absent",
-    rank=2,
-    shapes="symbolic",
-    hidden=16,
-    inter=8,
-    experts_count=4,
-    top_k=2,
-    token_dims=(5,),
-    seed=5,
-)
+BASE = replace(SMALL_BASE, seed=5)
 
 
 @pytest.mark.parametrize(

@@ -206,6 +206,27 @@ class Expected:
     part: str | None = None
 
 
+#: A small float layer of the commonest spellings, for tests that change one axis at a time.
+SMALL_BASE = LayerCase(
+    router="matmul",
+    routing="softmax_topk_div",
+    experts="gather_expand",
+    activation="swiglu_separate",
+    combine="mul_reducesum",
+    weight_dtype="float32",
+    granularity="channel",
+    zero_point="absent",
+    rank=2,
+    shapes="symbolic",
+    hidden=16,
+    inter=8,
+    experts_count=4,
+    top_k=2,
+    token_dims=(5,),
+    seed=3,
+)
+
+
 def expected(case: LayerCase) -> Expected:
     """The outcome ``case`` must have (from the meaning of ORT's MoE/QMoE, not the fuser)."""
     if case.mutation is not None:
