@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import networkx as nx
 import onnx_ir as ir
 
-__all__ = ["ORIGIN_KEY", "SpliceRefusal", "Spliced", "splice_fused_node", "tag_origin"]
+__all__ = [
+    "ORIGIN_KEY",
+    "SpliceRefusal",
+    "Spliced",
+    "origin_tail",
+    "splice_fused_node",
+    "tag_origin",
+]
 
 #: ``Value.meta`` key set on every value of the working copy before canonicalisation.
 ORIGIN_KEY = "onnx_moe_fuse.origin"
@@ -174,34 +181,77 @@ def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dic
             raise SpliceRefusal(
                 f"the fused node reads '{v.name}', which the layer in the model does not", v.name
             )
-    _add_shape_feeders(g, region)
+    _add_dead_feeders(g, region, boundary)
     return g, region
 
 
-def _add_shape_feeders(g: nx.DiGraph, region: dict[int, ir.Node]) -> None:
-    """Take into the region each node that reads it and feeds only its ``Shape``/``Size`` reads.
+def _add_dead_feeders(g: nx.DiGraph, region: dict[int, ir.Node], boundary: list[ir.Value]) -> None:
+    """Take into the region the nodes after it that only feed it back (shape computations).
 
-    The walk above stops at what a ``Shape`` reads, so a node between a region value and such a
-    read (the TorchScript expert loop's ``Shape(Slice(acc, rows 0:1))``, which sizes an Expand
-    of the next expert's rows) is outside the region while it reads it: it would count as an
-    escape, yet it is dead once the region is gone.
+    The walk above stops at what a ``Shape`` reads, so nodes between a region value and such a
+    read are outside the region while they read it: the TorchScript expert loop's
+    ``Shape(Slice(acc, rows 0:1))``, or optimum's dense gpt-oss, where ``Shape(dense)[1]``
+    becomes Unsqueeze / Concat pieces of shapes inside the layer. They would count as escapes,
+    yet they are dead once the region is gone. Such a node is downstream of the region, none of
+    its outputs is a graph output, a boundary value (the fused node reads those) or read by a
+    node that stays; they are found as a fixpoint and added with their edges.
     """
+    keep_out = {id(v) for v in boundary}
+    later: dict[int, ir.Node] = {}
+    todo = [u for n in region.values() for o in n.outputs for u, _ in o.uses()]
+    while todo:
+        node = todo.pop()
+        if id(node) in region or id(node) in later:
+            continue
+        later[id(node)] = node
+        todo.extend(u for o in node.outputs for u, _ in o.uses())
 
-    def read_only_by_region_shapes(v: ir.Value) -> bool:
-        users = [u for u, _ in v.uses()]
-        shapes = all(id(u) in region and u.op_type in ("Shape", "Size") for u in users)
-        return bool(users) and shapes and not v.is_graph_output()
-
-    for node in list(region.values()):
+    def stays_dead(node: ir.Node, dead: dict[int, ir.Node]) -> bool:
+        if not node.outputs:
+            return False
         for out in node.outputs:
-            for user, _ in out.uses():
-                if id(user) in region or not user.outputs:
-                    continue
-                if all(read_only_by_region_shapes(o) for o in user.outputs):
-                    region[id(user)] = user
-                    g.add_edge(("n", id(node)), ("n", id(user)))
-                    for o in user.outputs:
-                        g.add_edges_from((("n", id(user)), ("n", id(u))) for u, _ in o.uses())
+            if out.is_graph_output() or id(out) in keep_out:
+                return False
+            if any(id(u) not in region and id(u) not in dead for u, _ in out.uses()):
+                return False
+        return True
+
+    dead = dict(later)
+    changed = True
+    while changed:
+        changed = False
+        for i, node in list(dead.items()):
+            if not stays_dead(node, dead):
+                del dead[i]
+                changed = True
+    for node in dead.values():
+        region[id(node)] = node
+    for node in dead.values():
+        for v in node.inputs:
+            producer = v.producer() if v is not None else None
+            if producer is not None and id(producer) in region:
+                g.add_edge(("n", id(producer)), ("n", id(node)))
+        for o in node.outputs:
+            g.add_edges_from((("n", id(node)), ("n", id(u))) for u, _ in o.uses())
+
+
+def _check_kept_inputs(region: dict[int, ir.Node], keep: set[int]) -> None:
+    """Refuse when a node that stays would read a value made by a node that goes.
+
+    Kept nodes are those computing values used outside, with their ancestors; a ``Shape``
+    read has no edge to what it reads (the walk does not follow it), so a kept one could read
+    a removed value: the model would lose the value.
+    """
+    for i in keep:
+        node = region[i]
+        for v in node.inputs:
+            producer = v.producer() if v is not None else None
+            if producer is not None and id(producer) in region and id(producer) not in keep:
+                raise SpliceRefusal(
+                    f"'{_label(node)}' stays (a value it leads to is used outside the layer) but "
+                    f"reads '{v.name}', which the fused node replaces",
+                    v.name,
+                )
 
 
 def _kept(
@@ -244,19 +294,63 @@ def _fresh(taken: Iterable[str], base: str) -> str:
     return name
 
 
+#: Ops a tail may hold: they regroup the fused output's elements and compute nothing.
+_TAIL_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity"})
+#: A tail longer than this is not a regrouping canonicalisation left behind.
+_MAX_TAIL = 4
+
+
+def origin_tail(fused: ir.Node, replaces: str, original: ir.Graph) -> tuple[ir.Node, str]:
+    """Where the fused node's region ends in ``original``: ``(fused, replaces)`` or a layout tail.
+
+    ``replaces`` names the layer output the rule proved (the fused output takes that name).
+    Canonicalisation may have moved a Reshape of it below the combine (optimum's dense gpt-oss
+    sums over ``[E, B, S, H]``; :mod:`~onnx_moe_fuse.rewrites.canonical.spelling_split_rows`
+    sums over flat rows and splits after), so that the proved output is a canonical value the
+    original lacks, and the original's layer output is that of a Reshape after it. Then this
+    follows the chain of single-use layout ops from the fused node to the first value the
+    original has (by name: the working copy keeps the original's names, canonical values get
+    fresh ones) and returns that op and its output's name; otherwise ``(fused, replaces)``.
+    """
+    names = _values_by_name(original)
+    if replaces in names:
+        return fused, replaces
+    node = fused
+    for _ in range(_MAX_TAIL):
+        users = node.outputs[0].uses()
+        if len(users) != 1 or node.outputs[0].is_graph_output():
+            break
+        user, index = users[0]
+        if index != 0 or user.op_type not in _TAIL_OPS or user.domain not in ("", "ai.onnx"):
+            break
+        node = user
+        name = node.outputs[0].name or ""
+        if name in names:
+            return node, name
+    return fused, replaces
+
+
 def splice_fused_node(
-    model: ir.Model, fused: ir.Node, replaces: str, *, tokens_input: int = 0
+    model: ir.Model,
+    fused: ir.Node,
+    replaces: str,
+    *,
+    tokens_input: int = 0,
+    last: ir.Node | None = None,
 ) -> Spliced:
     """Replace the region of ``model`` that the working-copy node ``fused`` was proved to equal.
 
     ``fused`` lives in the canonicalised working copy (:func:`tag_origin` called on it before
-    canonicalisation); ``replaces`` names the value its output replaces; ``tokens_input`` is its input that carries the tokens (the escape
-    analysis keeps only values that do not depend on it). Raises :class:`SpliceRefusal` and
-    leaves ``model`` unchanged when the region cannot be proved.
+    canonicalisation); ``replaces`` names the value its output replaces, or the output of
+    ``last``, a layout tail after it (:func:`origin_tail`), which is then copied with it;
+    ``tokens_input`` is its input that carries the tokens (the escape analysis keeps only
+    values that do not depend on it). Raises :class:`SpliceRefusal` and leaves ``model``
+    unchanged when the region cannot be proved.
     """
     graph = model.graph
     values = _values_by_name(graph)
-    out_w = fused.outputs[0]
+    last = fused if last is None else last
+    out_w = last.outputs[0]
     target = values.get(replaces)
     if target is None or target.producer() is None:
         raise SpliceRefusal(
@@ -264,7 +358,7 @@ def splice_fused_node(
             "counterpart in the model",
             replaces,
         )
-    copies, origin, constants = _to_copy(fused)
+    copies, origin, constants = _to_copy(last)
     mapping: dict[int, ir.Value] = {}
     boundary: list[ir.Value] = []
     for v in origin:
@@ -279,6 +373,7 @@ def splice_fused_node(
 
     g, region = _region(target, boundary)
     keep = _kept(g, region, target, tokens)
+    _check_kept_inputs(region, keep)
 
     # -- from here on the model changes; nothing below can refuse --------------------------
     taken_values = set(values)
@@ -336,4 +431,6 @@ def splice_fused_node(
         model.opset_imports.setdefault(domain, version)
         graph.opset_imports.setdefault(domain, version)
     kept = tuple(_label(region[i]) for i in keep)
-    return Spliced(node=new_nodes[-1], replaced=replaced, kept=kept)
+    fused_clone = mapping[id(fused.outputs[0])].producer()
+    assert fused_clone is not None
+    return Spliced(node=fused_clone, replaced=replaced, kept=kept)

@@ -77,15 +77,22 @@ def product(dims: Sequence[Dim]) -> Dim:
 
 
 def reshape_dims(
-    in_dims: Sequence[Dim], shape: Sequence[int], allowzero: int = 0
+    in_dims: Sequence[Dim], shape: Sequence[int | Dim], allowzero: int = 0
 ) -> list[Dim] | None:
     """Apply ``Reshape(shape)`` to a symbolic input shape; None if not provably valid.
 
     ``0`` copies the input dim at the same position (``allowzero=0``), ``-1`` takes what is left.
+    A target computed in the graph may hold symbolic entries (a :class:`Dim` with factors): such
+    an entry is that size, as the graph computed it.
     """
     out: list[Dim | None] = []
     infer_at = None
     for i, s in enumerate(shape):
+        if isinstance(s, Dim):
+            if s.syms:
+                out.append(s)
+                continue
+            s = s.coef
         if s == 0 and not allowzero:
             if i >= len(in_dims):
                 return None
@@ -113,7 +120,10 @@ def reshape_dims(
 # -- dims of values ----------------------------------------------------------------------------
 
 #: Ops whose output has the shape of their first input.
-_SAME_SHAPE = _ELEMENTWISE_UNARY - {"TopK"} | {"Sqrt", "Reciprocal", "Abs", "Not", "IsNaN"}
+_SAME_SHAPE = _ELEMENTWISE_UNARY - {"TopK"} | {
+    "Sqrt", "Reciprocal", "Abs", "Not", "IsNaN",
+    "ScatterElements", "ScatterND", "Scatter",  # the output is the data input, updated
+}  # fmt: skip
 
 
 def _unknown(value: ir.Value, axis: int) -> Dim:
@@ -214,8 +224,10 @@ def _broadcast(a: list[Dim], b: list[Dim], out_value: ir.Value) -> list[Dim] | N
 def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> list[Dim] | None:
     """The dims of ``value`` (an output of ``node``) from the dims of the node's inputs."""
     op, ins = node.op_type, node.inputs
-    if value is not node.outputs[0] and op != "TopK":
+    if value is not node.outputs[0] and op not in ("TopK", "Split"):
         return None
+    if op == "ConstantOfShape":  # its input is a shape, not a tensor of that shape
+        return _constant_of_shape_dims(node, memo)
     first = value_dims(ins[0], depth, memo) if ins and ins[0] is not None else None
     if first is None:
         return None
@@ -233,8 +245,19 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         axes = None if not axes else normalize_axes(axes, len(first))
         return None if axes is None else [d for i, d in enumerate(first) if i not in axes]
     if op == "Reshape":
-        shape = const_ints(ins[1]) if len(ins) > 1 else None
-        return None if shape is None else reshape_dims(first, shape, attr_int(node, "allowzero", 0))
+        target = _target_dims(ins[1], memo) if len(ins) > 1 else None
+        return (
+            None if target is None else reshape_dims(first, target, attr_int(node, "allowzero", 0))
+        )
+    if op == "Tile":
+        repeats = const_ints(ins[1]) if len(ins) > 1 else None
+        if repeats is None or len(repeats) != len(first) or min(repeats, default=1) < 1:
+            return None
+        return [d * Dim.of(r) for d, r in zip(first, repeats, strict=True)]
+    if op == "Slice":
+        return _sliced_dims(node, first)
+    if op == "Split":
+        return _split_dims(node, value, first)
     if op == "Expand":
         shape = const_ints(ins[1]) if len(ins) > 1 else None
         return None if shape is None else _broadcast(first, [Dim.of(s) for s in shape], value)
@@ -260,7 +283,134 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
             return None
         batch = _broadcast(first[:-2], second[:-2], value)
         return None if batch is None else [*batch, first[-2], second[-1]]
-    if op in _ELEMENTWISE_BINARY:
+    if op == "Gemm":
+        second = value_dims(ins[1], depth, memo) if len(ins) > 1 else None
+        if second is None or len(first) != 2 or len(second) != 2:
+            return None
+        rows = first[1] if attr_int(node, "transA", 0) else first[0]
+        cols = second[0] if attr_int(node, "transB", 0) else second[1]
+        return [rows, cols]
+    if op in _ELEMENTWISE_BINARY or op in _COMPARISONS:
         second = value_dims(ins[1], depth, memo) if len(ins) > 1 else None
         return None if second is None else _broadcast(first, second, value)
+    if op in _REDUCTIONS:
+        return _reduced_dims(node, first)
+    if op == "OneHot":
+        depth_value = const_ints(ins[1]) if len(ins) > 1 else None
+        axis = normalize_axes([attr_int(node, "axis", -1)], len(first) + 1)  # type: ignore[list-item]
+        if depth_value is None or len(depth_value) != 1 or depth_value[0] < 1 or axis is None:
+            return None
+        return [*first[: axis[0]], Dim.of(depth_value[0]), *first[axis[0] :]]
     return None
+
+
+#: Other element-wise binary ops (comparisons, integer arithmetic on ids): the broadcast of
+#: their two inputs' dims.
+_COMPARISONS = frozenset(
+    {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod"}
+)
+#: Reductions with ``axes`` (an input from opset 13 / 18, an attribute before) and ``keepdims``.
+_REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"})
+
+
+def _reduced_dims(node: ir.Node, first: list[Dim]) -> list[Dim] | None:
+    """A reduction's dims: the reduced axes dropped, or kept as 1 (``keepdims``, the default)."""
+    axes = node_axes(node)
+    if axes is None:
+        return None
+    if not axes:  # no axes: all of them, unless noop_with_empty_axes
+        if attr_int(node, "noop_with_empty_axes", 0):
+            return first
+        axes = list(range(len(first)))
+    normal = normalize_axes(axes, len(first))
+    if normal is None:
+        return None
+    keep = attr_int(node, "keepdims", 1)
+    return [Dim.of(1) if i in normal else d for i, d in enumerate(first) if keep or i not in normal]
+
+
+def _target_dims(target: ir.Value | None, memo: dict) -> list[int | Dim] | None:
+    """A Reshape / ConstantOfShape target: constant ints, or what a shape computation holds."""
+    if target is None:
+        return None
+    ints = const_ints(target)
+    if ints is not None:
+        return list(ints)
+    # the evaluator of computed shapes reads value_dims itself: imported here, not at the top
+    from .canonical.shape_values import shape_value
+
+    computed = shape_value(target, 0, memo)
+    return None if computed is None or computed.scalar else list(computed.dims)
+
+
+def _constant_of_shape_dims(node: ir.Node, memo: dict) -> list[Dim] | None:
+    """``ConstantOfShape(s)``: the dims are the elements of ``s`` (a size, never a copy marker)."""
+    target = _target_dims(node.inputs[0], memo) if node.inputs else None
+    if target is None:
+        return None
+    dims = [d if isinstance(d, Dim) else Dim.of(d) for d in target]
+    return None if any(d.coef < 0 for d in dims) else dims
+
+
+def _split_dims(node: ir.Node, value: ir.Value, first: list[Dim]) -> list[Dim] | None:
+    """One ``Split`` output: its piece of the axis.
+
+    The sizes come from the input or the attribute, else equal parts of a known size (the
+    count of outputs; ``num_outputs`` rounds up, the last piece the smaller one).
+    """
+    axis = normalize_axes([attr_int(node, "axis", 0)], len(first))  # type: ignore[list-item]
+    if axis is None:
+        return None
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        sizes = const_ints(node.inputs[1])
+    elif "split" in node.attributes:
+        attr = node.attributes["split"]
+        sizes = None if attr.is_ref() else [int(v) for v in attr.value]
+    else:
+        whole, parts = first[axis[0]], len(node.outputs)
+        if whole.syms or parts == 0:
+            return None
+        step = -(-whole.coef // parts)  # ceil: num_outputs' last piece is the smaller one
+        sizes = [min(step, whole.coef - i * step) for i in range(parts)]
+    if sizes is None or len(sizes) != len(node.outputs) or min(sizes, default=0) < 0:
+        return None
+    whole = first[axis[0]]
+    if not whole.syms and sum(sizes) != whole.coef:
+        return None  # not a valid Split of this axis
+    out = list(first)
+    out[axis[0]] = Dim.of(sizes[value.index()])  # type: ignore[index]
+    return out
+
+
+#: ``Slice`` ends at or past this reach the end of any axis (torch writes INT64_MAX).
+_TO_THE_END = 2**62
+
+
+def _sliced_dims(node: ir.Node, first: list[Dim]) -> list[Dim] | None:
+    """``Slice`` with constant starts / ends / axes / steps; a symbolic axis only if kept whole."""
+    args = [const_ints(v) if v is not None else None for v in node.inputs[1:5]]
+    if (
+        len(args) < 2
+        or args[0] is None
+        or args[1] is None
+        or any(a is None for a, v in zip(args, node.inputs[1:5], strict=False) if v is not None)
+    ):
+        return None
+    starts, ends = args[0], args[1]
+    axes = args[2] if len(args) > 2 and args[2] is not None else list(range(len(starts)))
+    steps = args[3] if len(args) > 3 and args[3] is not None else [1] * len(starts)
+    axes = normalize_axes(axes, len(first))
+    if axes is None or not len(starts) == len(ends) == len(axes) == len(steps):
+        return None
+    out = list(first)
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        d = first[axis]
+        if step == 0:
+            return None
+        if not d.syms:
+            out[axis] = Dim.of(len(range(*slice(start, end, step).indices(d.coef))))
+        elif start == 0 and end >= _TO_THE_END and step == 1:
+            continue  # the whole axis, whatever its size
+        else:
+            return None
+    return out

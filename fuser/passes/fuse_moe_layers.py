@@ -21,7 +21,7 @@ from onnx_moe_fuse.rewrites.moe_layer import (
 )
 from onnx_moe_fuse.rewrites.routers import classify_router
 from onnx_moe_fuse.rewrites.weight_sink import WeightSink
-from onnx_moe_fuse.splice import SpliceRefusal, splice_fused_node, tag_origin
+from onnx_moe_fuse.splice import SpliceRefusal, origin_tail, splice_fused_node, tag_origin
 
 from ._common import (
     ALL_FUSED_OPS,
@@ -31,6 +31,7 @@ from ._common import (
     _rule_name,
 )
 from .near_misses import (
+    GENERIC_UNRECOGNISED,
     NearMissTracer,
     _recognised_dense,
     _unrecognised_reason,
@@ -40,6 +41,7 @@ from .report import (
     _near_miss,
     _split_part,
 )
+from .split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
 
 
 def _emitted(only: Iterable[str] | None) -> frozenset[str]:
@@ -165,8 +167,10 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 )
                 continue
             _apply_target_attributes(node, self.target)
+            # the proved output, or a Reshape after it that the original has (a split moved out)
+            last, replaces = origin_tail(node, layer_out, model.graph)
             try:
-                result = splice_fused_node(model, node, layer_out)
+                result = splice_fused_node(model, node, replaces, last=last)
             except SpliceRefusal as refusal:
                 self.report.near_misses.append(
                     _near_miss(
@@ -232,6 +236,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 )
             )
         routers: set[int] = set()
+        diagnosis: dict[str, str] | None = None  # made once, for the first split combine
         for node in work.graph:
             if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
                 continue
@@ -239,8 +244,16 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 continue
             reason = _unrecognised_reason(node)
             dense = _recognised_dense(node, reason)
+            part = dense.part if dense is not None else None
             if dense is not None:
                 reason = dense.reason  # the pass recognised the layer: its refusal names the part
+            elif reason == GENERIC_UNRECOGNISED:
+                if diagnosis is None:
+                    diagnosis = split_rows_diagnosis(work, self.emit)
+                behind = diagnosis.get(node.outputs[0].name or "")
+                if behind is not None:  # the split was not proved: the rules say what else
+                    part = _split_part(behind)[0] or "combine"
+                    reason = f"{SPLIT_UNPROVED}; with the split moved out, {behind}"
             if reason is not None:
                 # the Softmax/Sigmoid of the router (before or after the TopK), else what it reads
                 router = classify_router(node).scores
@@ -252,7 +265,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 self.report.near_misses.append(
                     _near_miss(
                         rule=None,
-                        part=dense.part if dense is not None else None,
+                        part=part,
                         node=dense.node if dense is not None else _label(node),
                         reason=reason,
                         root=None,

@@ -100,7 +100,7 @@ class NearMissTracer(pattern.MatchingTracer):
 _SHAPE_ONLY = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast")
 
 
-_GENERIC_UNRECOGNISED = (
+GENERIC_UNRECOGNISED = (
     "not recognised: the indices of this TopK select experts, but no MoE layer rule matched the "
     "layer around it (its routing, expert, activation or combine spelling is not one the rules "
     "know)"
@@ -132,21 +132,31 @@ _DENSE_UNRECOGNISED = (
 
 
 def _sorts_expert_ids(topk: ir.Node) -> bool:
-    """True for a TopK that sorts another TopK's indices ascending (an argsort, not a router)."""
+    """True for a TopK that sorts expert ids ascending (an argsort, not a router).
+
+    The ids are another TopK's indices or an ArgMax's (PhiMoE's two top-1 rounds, concatenated)
+    through shape-only ops.
+    """
     attr = topk.attributes.get("largest")
     if attr is None or attr.value != 0:
         return False
-    v = topk.inputs[0] if topk.inputs else None
-    for _ in range(8):
-        node = v.producer() if v is not None else None
-        if node is None:
-            return False
-        if node.op_type == "TopK":
-            return v.index() == 1
-        if node.op_type not in _SHAPE_ONLY:
-            return False
-        v = node.inputs[0]
-    return False
+    return _are_expert_ids(topk.inputs[0] if topk.inputs else None, 8)
+
+
+def _are_expert_ids(v: ir.Value | None, depth: int) -> bool:
+    """Whether ``v`` holds a router's choices: TopK indices, ArgMax ids, a Concat of them."""
+    node = v.producer() if v is not None else None
+    if node is None or depth == 0:
+        return False
+    if node.op_type == "TopK":
+        return v.index() == 1  # type: ignore[union-attr]
+    if node.op_type == "ArgMax":
+        return True
+    if node.op_type == "Concat":
+        return bool(node.inputs) and all(_are_expert_ids(i, depth - 1) for i in node.inputs)
+    if node.op_type not in _SHAPE_ONLY:
+        return False
+    return _are_expert_ids(node.inputs[0], depth - 1)
 
 
 _HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
@@ -249,7 +259,7 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
             return f"{_ONE_HOT_UNRECOGNISED}; the expert-loop pass: {detail}"
         return _ONE_HOT_UNRECOGNISED
     if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:
-        return _GENERIC_UNRECOGNISED
+        return GENERIC_UNRECOGNISED
     return None
 
 

@@ -29,7 +29,7 @@ from .dense_mask import DenseWeights
 from .dense_routing import Routing
 from .spelling_einsum import parse_equation
 
-__all__ = ["Combine", "read_combine"]
+__all__ = ["Combine", "read_combine", "split_rows_outputs"]
 
 
 @dataclass
@@ -116,6 +116,12 @@ def _combine_dense(mask: DenseWeights) -> Combine:
     nodes: list[ir.Node] = [user]
     if _perm(user) == [1, 0]:  # ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)
         unsq = only_consumer(user.outputs[0], "the transposed dense weights")
+        if is_op(unsq, "Reshape"):  # the [B, S] split that spelling_split_rows did not undo
+            raise Refusal(
+                f"{label(unsq)}: the dense weights are split into token rows that are not "
+                "proved to be the expert outputs' rows split the same way",
+                unsq,
+            )
         if not is_op(unsq, "Unsqueeze") or not axes_are(unsq, 3, [2]):
             raise Refusal(f"{label(user)}: the dense weights are not made [E, T, 1]", user)
         mul = only_consumer(unsq.outputs[0], "the [E, T, 1] dense weights")
@@ -166,6 +172,26 @@ def _mixes_stacked_outputs(node: ir.Node, dense: ir.Value) -> bool:
     t, e = mask
     h = outputs[2]
     return outputs == f"{e}{t}{h}" and eq.out == f"{t}{h}" and len({t, e, h}) == 3
+
+
+def split_rows_outputs(mask: DenseWeights) -> ir.Value | None:
+    """The stacked expert outputs ``Y`` of a combine still split into ``[E, B, S, H]``, or None.
+
+    ``Mul(Reshape(Y, [E, B, -1, H]), Unsqueeze(Reshape(Transpose(dense), [E, B, -1]), 3))``
+    where the split was not proved equal (:mod:`.spelling_split_rows`): only for a diagnosis,
+    which reads the experts from ``Y`` to find what else is wrong (a router over other rows).
+    """
+    users = consumers(mask.dense) if mask.dense is not None else []
+    chain = users[0] if len(users) == 1 and _perm(users[0]) == [1, 0] else None
+    for op in ("Reshape", "Unsqueeze", "Mul"):
+        if chain is None:
+            return None
+        nxt = consumers(chain.outputs[0])
+        chain = nxt[0] if len(nxt) == 1 and is_op(nxt[0], op) else None
+    if chain is None or len(chain.inputs) != 2:
+        return None
+    split = next((v.producer() for v in chain.inputs if is_op(v.producer(), "Reshape")), None)
+    return split.inputs[0] if split is not None else None
 
 
 def read_combine(mask: DenseWeights, routing: Routing) -> Combine:

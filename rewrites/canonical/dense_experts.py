@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from .._graph_facts import Refusal, label, value_label
-from .dense_combine import Combine, read_combine
+from .dense_combine import Combine, read_combine, split_rows_outputs
 from .dense_consts import const_ints, node_axes, part, refusal_part
 from .dense_emit import Emitter
 from .dense_ffn import ExpertMLP, Projection, read_mlp
@@ -237,10 +237,32 @@ def _recognise(topk: ir.Node) -> tuple[Routing, DenseWeights] | None:
     return None if mask is None else (routing, mask)
 
 
+def _diagnose_split_rows(mask: DenseWeights, routing: Routing) -> None:
+    """Raise the routing refusal behind a combine whose split rows were not proved equal.
+
+    The split of the dense weights is proved equal to the experts' only when both are the same
+    rows; a router over other rows (a second input, a slice) is the usual reason it is not, and
+    the near miss should say so. Reads the experts from the split combine's outputs; nothing is
+    raised when they cannot be read or do read the router's rows.
+    """
+    outputs = split_rows_outputs(mask)
+    if outputs is None:
+        return
+    try:
+        mlps = _check_stacked_mlp(Combine(mask.dense.producer(), None, outputs), routing)
+    except Refusal:
+        return  # the experts themselves do not read: the combine's refusal stands
+    _check_token_rows(routing, mlps, True)
+
+
 def _prove(routing: Routing, mask: DenseWeights) -> DenseLayer:
     """The rest of the proof of a recognised layer: combine, selection, experts, rows, region."""
-    combine = read_combine(mask, routing)
-    routing.require_selection()
+    routing.require_selection()  # a TopK over another axis is named before any later part
+    try:
+        combine = read_combine(mask, routing)
+    except Refusal as refusal:
+        _diagnose_split_rows(mask, routing)  # a router over other rows explains it better
+        raise refusal
     if combine.stacked is None:
         mlps = _check_per_expert_mlps(combine, routing.experts)
     else:

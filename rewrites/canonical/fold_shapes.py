@@ -176,7 +176,8 @@ def _replace_input(
 def _fold_shape_inputs(node: ir.Node, names: FreshNames) -> bool:
     """Make every computed integer input of ``node`` that evaluates to numbers a constant."""
     if node.op_type in SHAPE_ARITHMETIC and node.op_type != "Reshape":
-        if node.outputs and shape_value(node.outputs[0]) is not None:
+        out = shape_value(node.outputs[0]) if node.outputs else None
+        if out is not None and out.ints is not None:
             return False  # a link of a shape computation: its consumer folds the whole chain
     changed = False
     for i, v in enumerate(node.inputs):

@@ -34,7 +34,7 @@ from onnx_moe_fuse.rewrites._graph_facts import label
 
 from .fresh_names import FreshNames
 from .graph_edits import ancestors, remove_dead
-from .loop_mlp import clone_activation, stack_weights
+from .loop_mlp import clone_activation, stack_biases, stack_weights
 from .loop_proof import ExpertLoop, LoopRefusal, analyse_loop, loop_candidates
 from .loop_values import Mask
 from .sorted_experts import GROUPED_MATMUL_OPSET
@@ -112,6 +112,14 @@ class _Builder:
         self.graph.register_initializer(value)
         return value
 
+    def biases(self, refs, base: str) -> list[ir.Value]:
+        """GroupedMatMul's trailing bias input ``[E, N]``: none when the experts have none."""
+        if refs[0] is None:
+            return []  # the signatures are equal: no expert has one
+        value = stack_biases(refs, self.names(base))
+        self.graph.register_initializer(value)
+        return [value]
+
 
 def _rewrite(model: ir.Model, loop: ExpertLoop) -> None:
     graph = model.graph
@@ -120,18 +128,20 @@ def _rewrite(model: ir.Model, loop: ExpertLoop) -> None:
     mlps, first = loop.mlps, loop.mlps[0]
     float_type = ir.TensorType(ir.DataType.FLOAT)
     starts: dict[int, ir.Value] = {}
-    for j, (matmul, _) in enumerate(first.fc1):
-        weight = b.stacked([m.fc1[j][1] for m in mlps], f"fc1_{j}_experts")
-        fc1 = b.node("GroupedMatMul", [loop.tokens, weight, loop.ids], f"fc1_{j}_slots")
+    for j, projection in enumerate(first.fc1):
+        weight = b.stacked([m.fc1[j].weight for m in mlps], f"fc1_{j}_experts")
+        bias = b.biases([m.fc1[j].bias for m in mlps], f"fc1_{j}_bias")
+        fc1 = b.node("GroupedMatMul", [loop.tokens, weight, loop.ids, *bias], f"fc1_{j}_slots")
         fc1.type = float_type
-        starts[id(matmul.outputs[0])] = fc1
+        starts[id(projection.out)] = fc1
     act_nodes, act = clone_activation(first, starts, names, lambda v: b.ints(v, "slice_axes"))
     b.nodes.extend(act_nodes)
-    inner, hidden = first.fc2[1].dims
+    inner, hidden = first.fc2.weight.dims
     rows = b.node("Reshape", [act, b.ints([-1, inner], "act_rows_shape")], "act_rows")
     row_ids = b.node("Reshape", [loop.ids, b.ints([-1, 1], "ids_rows_shape")], "ids_rows")
-    w2 = b.stacked([m.fc2[1] for m in mlps], "fc2_experts")
-    fc2 = b.node("GroupedMatMul", [rows, w2, row_ids], "fc2_rows")
+    w2 = b.stacked([m.fc2.weight for m in mlps], "fc2_experts")
+    b2 = b.biases([m.fc2.bias for m in mlps], "fc2_bias")
+    fc2 = b.node("GroupedMatMul", [rows, w2, row_ids, *b2], "fc2_rows")
     slots = b.node("Reshape", [fc2, b.ints([-1, loop.k, hidden], "slots_shape")], "fc2_slots")
     w3 = b.node("Unsqueeze", [loop.weights, b.ints([-1], "weights_axes")], "weights_unsq")
     weighted = b.node("Mul", [slots, w3], "weighted_slots")

@@ -2,10 +2,12 @@
 
 An iteration of the loop runs expert ``e`` on its gathered rows ``r_e [n, H]``::
 
-    y_e = MatMul(act(MatMul(r_e, W1_e), MatMul(r_e, W3_e), ...), W2_e)
+    y_e = MatMul(act(MatMul(r_e, W1_e) (+ b1_e), MatMul(r_e, W3_e), ...), W2_e) (+ b2_e)
 
 :func:`read_expert_mlp` proves that form, reading back from ``y_e``: FC2 is a ``MatMul`` by a
-constant weight, every FC1 a ``MatMul`` of exactly ``r_e`` by a constant weight, and the
+constant weight, every FC1 a ``MatMul`` of exactly ``r_e`` by a constant weight, each
+optionally plus a constant bias row ``[N]`` (a ``Linear`` with bias, hand-written MoE code's
+default; the bias an initializer or one entry of a stacked ``[E', N]`` one), and the
 activation between them treats each row on its own (the element-wise ops of
 :mod:`.sorted_rowwise` with constant operands shared by every row, and ``Split`` / ``Slice``
 along the feature axis), which is what lets it run unchanged on the per-slot ``[T, k, N]``
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -34,7 +37,16 @@ from .loop_values import LoopRefusal
 from .sorted_rowwise import ELEMENTWISE
 from .sorted_values import const_shape, producer_op, small_const
 
-__all__ = ["WeightRef", "ExpertMLP", "read_expert_mlp", "stack_weights", "clone_activation"]
+__all__ = [
+    "BiasRef",
+    "ExpertMLP",
+    "LoopProjection",
+    "WeightRef",
+    "clone_activation",
+    "read_expert_mlp",
+    "stack_biases",
+    "stack_weights",
+]
 
 _STD = ("", "ai.onnx")
 _FEATURE_AXES = (1, -1)
@@ -107,14 +119,103 @@ def _weight(value: ir.Value, e: int, matmul: ir.Node) -> WeightRef:
 
 
 @dataclass
+class BiasRef:
+    """One expert's bias row ``[N]``: ``source`` (``[N]`` or ``[1, N]``), or its ``index``-th entry."""
+
+    source: ir.Value
+    index: int | None = None
+
+    @property
+    def width(self) -> int:
+        """``N``."""
+        return int(self.source.const_value.shape[-1])
+
+    def array(self) -> np.ndarray:
+        """The row as a ``[N]`` array (reads the tensor)."""
+        arr = np.asarray(self.source.const_value.numpy())
+        arr = arr[self.index] if self.index is not None else arr
+        return arr.reshape(-1)
+
+
+def _bias(value: ir.Value, width: int) -> BiasRef | None:
+    """``value`` as a bias row of ``width`` for every row of a projection, else None."""
+    if _initializer(value, 1) or _initializer(value, 2):
+        shape = tuple(int(d) for d in value.const_value.shape)
+        return BiasRef(value) if shape in ((width,), (1, width)) else None
+    node = producer_op(value, "Gather")
+    if node is None or attr_int(node, "axis", 0) != 0:
+        return None
+    source = node.inputs[0]
+    index = small_const(node.inputs[1])
+    if not (_initializer(source, 2) or _initializer(source, 3)) or index is None or index.ndim:
+        return None
+    shape = tuple(int(d) for d in source.const_value.shape)
+    if shape[1:] not in ((width,), (1, width)) or not -shape[0] <= int(index) < shape[0]:
+        return None
+    return BiasRef(source, int(index) % shape[0])
+
+
+class LoopProjection(NamedTuple):
+    """``out = MatMul(x, weight) (+ bias)``: ``node`` the MatMul, ``out`` what the MLP reads."""
+
+    node: ir.Node
+    weight: WeightRef
+    bias: BiasRef | None
+    out: ir.Value
+
+
+def _biased(add: ir.Node) -> tuple[ir.Node, ir.Value] | None:
+    """``Add(MatMul(.), b)`` (either order): the MatMul and the bias operand, else None."""
+    if add.op_type != "Add" or add.domain not in _STD or len(add.inputs) != 2:
+        return None
+    for i in (0, 1):
+        matmul = producer_op(add.inputs[i], "MatMul")
+        other = add.inputs[1 - i]
+        if matmul is not None and other is not None and const_shape(other) is not None:
+            return matmul, other
+    return None
+
+
+def _projection(matmul: ir.Node, out: ir.Value, e: int) -> LoopProjection:
+    weight = _weight(matmul.inputs[1], e, matmul)
+    add = out.producer()
+    if add is matmul:
+        return LoopProjection(matmul, weight, None, out)
+    bias = _bias(_biased(add)[1], weight.dims[1])  # type: ignore[index]
+    if bias is None:
+        raise LoopRefusal(
+            f"expert {e}: {label(add)} adds to {label(matmul)} something that is not a constant "
+            f"bias row [{weight.dims[1]}]"
+        )
+    return LoopProjection(matmul, weight, bias, out)
+
+
+def _width(matmul: ir.Node) -> int:
+    """``N`` of a MatMul by a weight whose last dim the graph fixes (-1 when it does not)."""
+    shape = const_shape(matmul.inputs[1]) if len(matmul.inputs) > 1 else None
+    if shape is None:
+        node = producer_op(matmul.inputs[1], "Transpose", "Gather")
+        source = node.inputs[0] if node is not None else None
+        full = const_shape(source) if source is not None else None
+        if full is None:
+            return -1
+        shape = full[-2:][::-1] if node.op_type == "Transpose" else full[1:]
+    return int(shape[-1]) if shape else -1
+
+
+def _bias_key(bias: BiasRef | None) -> tuple | None:
+    return None if bias is None else (bias.width, str(bias.source.const_value.dtype))
+
+
+@dataclass
 class ExpertMLP:
     """``y = FC2(act(FC1 projections of rows))``; ``act_nodes`` in topological order."""
 
     rows: ir.Value
-    fc1: list[tuple[ir.Node, WeightRef]]
+    fc1: list[LoopProjection]
     act_nodes: list[ir.Node]
     act_out: ir.Value
-    fc2: tuple[ir.Node, WeightRef]
+    fc2: LoopProjection
     signature: tuple
     nodes: list[ir.Node] = field(default_factory=list)
 
@@ -142,7 +243,7 @@ class _Reader:
     def __init__(self, e: int) -> None:
         self.rows: ir.Value | None = None
         self.e = e
-        self.fc1: list[tuple[ir.Node, WeightRef]] = []
+        self.fc1: list[LoopProjection] = []
         self.fc1_index: dict[int, int] = {}
         self.act: list[ir.Node] = []
         self.act_index: dict[int, int] = {}
@@ -159,19 +260,39 @@ class _Reader:
                 f"expert {self.e}: activation: {value.name!r} is neither computed by a known "
                 "row-wise op nor an FC1 projection of the expert's rows"
             )
-        if node.op_type == "MatMul":
+        biased = _biased(node)
+        if biased is not None and not (
+            self._projects_rows(biased[0]) and _bias(biased[1], _width(biased[0])) is not None
+        ):
+            biased = None  # an Add of the activation's own (a constant shared by every row)
+        matmul = node if node.op_type == "MatMul" else biased[0] if biased is not None else None
+        if matmul is not None:
             if self.rows is None:
-                self.rows = node.inputs[0]
-            elif node.inputs[0] is not self.rows:
+                self.rows = matmul.inputs[0]
+            elif matmul.inputs[0] is not self.rows:
                 raise LoopRefusal(
-                    f"expert {self.e}: fc1: {label(node)} does not project the same rows "
+                    f"expert {self.e}: fc1: {label(matmul)} does not project the same rows "
                     f"{self.rows.name!r} as the expert's other FC1"
                 )
             self.fc1_index[id(value)] = len(self.fc1)
-            self.fc1.append((node, _weight(node.inputs[1], self.e, node)))
+            self.fc1.append(_projection(matmul, value, self.e))
             return ("fc1", self.fc1_index[id(value)])
         self.activation_node(node, depth)
         return ("act", self.act_index[id(node)], value.index())
+
+    def _projects_rows(self, matmul: ir.Node) -> bool:
+        """Whether an ``Add`` after ``matmul`` is FC1's bias (the MatMul projects the rows).
+
+        Only a MatMul of a value no activation computed can be FC1; an ``Add`` of a constant to
+        anything else is the activation's own (gpt-oss's ``up + 1``).
+        """
+        x = matmul.inputs[0]
+        producer = x.producer() if x is not None else None
+        return (
+            x is not None
+            and (producer is None or id(producer) not in self.act_index)
+            and (self.rows is None or x is self.rows)
+        )
 
     def activation_node(self, node: ir.Node, depth: int) -> None:
         op = node.op_type
@@ -214,23 +335,31 @@ class _Reader:
 
 def read_expert_mlp(y: ir.Value, e: int) -> ExpertMLP:
     """Read ``y`` as expert ``e``'s MLP on one rows value (``rows``); refuses otherwise."""
-    fc2 = producer_op(y, "MatMul")
-    if fc2 is None:
+    node = y.producer()
+    biased = _biased(node) if node is not None else None
+    fc2_node = producer_op(y, "MatMul") or (biased[0] if biased is not None else None)
+    if fc2_node is None:
         raise LoopRefusal(
             f"expert {e}: fc2: {y.name!r} (weighted by the routing weight) is not a MatMul by "
-            "constant weights"
+            "constant weights (plus a bias)"
         )
-    w2 = _weight(fc2.inputs[1], e, fc2)
+    fc2 = _projection(fc2_node, y, e)
     reader = _Reader(e)
-    act_ref = reader.ref(fc2.inputs[0])
+    act_ref = reader.ref(fc2_node.inputs[0])
     if not reader.fc1:
-        raise LoopRefusal(f"expert {e}: fc1: no projection of the rows before {label(fc2)}")
-    weights = tuple((ref.dims, str(ref.dtype)) for _, ref in [*reader.fc1, (fc2, w2)])
-    signature = (tuple(reader.entries), act_ref, weights)
-    nodes = [n for n, _ in reader.fc1] + reader.act + [fc2]
-    return ExpertMLP(
-        reader.rows, reader.fc1, reader.act, fc2.inputs[0], (fc2, w2), signature, nodes
+        raise LoopRefusal(f"expert {e}: fc1: no projection of the rows before {label(fc2_node)}")
+    weights = tuple(
+        (p.weight.dims, str(p.weight.dtype), _bias_key(p.bias)) for p in [*reader.fc1, fc2]
     )
+    signature = (tuple(reader.entries), act_ref, weights)
+    nodes = [n for p in reader.fc1 for n in _projection_nodes(p)] + reader.act
+    nodes += _projection_nodes(fc2)
+    return ExpertMLP(reader.rows, reader.fc1, reader.act, fc2_node.inputs[0], fc2, signature, nodes)
+
+
+def _projection_nodes(p: LoopProjection) -> list[ir.Node]:
+    add = p.out.producer()
+    return [p.node] if add is p.node or add is None else [p.node, add]
 
 
 def stack_weights(refs: list[WeightRef], name: str) -> ir.Value:
@@ -238,6 +367,19 @@ def stack_weights(refs: list[WeightRef], name: str) -> ir.Value:
     k, n = refs[0].dims
     dtype = refs[0].dtype
     shape = ir.Shape([len(refs), k, n])
+
+    def compute() -> ir.TensorProtocol:
+        return ir.Tensor(np.ascontiguousarray(np.stack([r.array() for r in refs])), dtype=dtype)
+
+    tensor = ir.LazyTensor(compute, dtype, shape, cache=True, name=name)
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=shape, const_value=tensor)
+
+
+def stack_biases(refs: list[BiasRef], name: str) -> ir.Value:
+    """A new ``[E, N]`` value stacking the bias rows ``refs`` in expert order, lazily."""
+    width = refs[0].width
+    dtype = refs[0].source.const_value.dtype
+    shape = ir.Shape([len(refs), width])
 
     def compute() -> ir.TensorProtocol:
         return ir.Tensor(np.ascontiguousarray(np.stack([r.array() for r in refs])), dtype=dtype)

@@ -78,6 +78,14 @@ class ExpertLoop:
     hidden: int
 
 
+def _is_projection(value: ir.Value) -> bool:
+    """A MatMul's output, or ``Add(MatMul(.), bias)`` (a Linear with bias): FC2's output."""
+    if producer_op(value, "MatMul") is not None:
+        return True
+    add = producer_op(value, "Add")
+    return add is not None and any(producer_op(v, "MatMul") is not None for v in add.inputs)
+
+
 def loop_candidates(graph: ir.Graph) -> list[tuple[ir.Node, Mask]]:
     """``(TopK, mask)`` for every TopK whose ids build an ``[E, k, T]`` mask read by Gathers."""
     found = []
@@ -173,7 +181,7 @@ def _expert(c: Coords, k: int, topk: ir.Node, hidden_of) -> _Expert:
         raise LoopRefusal(f"expert {e}: {v.name!r} is not the expert's output times its weight")
     nodes.append(mul)
     a, b = mul.inputs
-    y, g = (a, b) if producer_op(a, "MatMul") is not None else (b, a)
+    y, g = (a, b) if _is_projection(a) else (b, a)
     mlp = read_expert_mlp(y, e)
     x, rows_spelling, rows_nodes = read_rows(mlp.rows, e, c.tokens, c.slots)
 
@@ -218,7 +226,7 @@ def _check_experts(experts: list[_Expert], ids: ir.Value) -> None:
     for j in range(projections):
         seen: dict[tuple, int] = {}
         for ex in experts:
-            ref = [*ex.mlp.fc1, ex.mlp.fc2][j][1]
+            ref = [*ex.mlp.fc1, ex.mlp.fc2][j].weight
             if ref.key in seen:
                 raise LoopRefusal(
                     f"experts {seen[ref.key]} and {ex.coords.expert} share the weight "
@@ -268,20 +276,20 @@ def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
     k = _routing(topk, mask)
 
     def hidden_of(mlp: ExpertMLP) -> int:
-        return mlp.fc2[1].dims[1]
+        return mlp.fc2.weight.dims[1]
 
     experts = [_expert(c, k, topk, hidden_of) for c in _slices(mask)]
     _check_experts(experts, topk.outputs[1])
     first = experts[0]
     hidden = hidden_of(first.mlp)
     tokens = first.tokens
-    if first.mlp.fc2[1].dtype != ir.DataType.FLOAT:
+    if first.mlp.fc2.weight.dtype != ir.DataType.FLOAT:
         raise LoopRefusal(
-            f"the experts compute in {first.mlp.fc2[1].dtype}; the layer rules fuse float32 "
+            f"the experts compute in {first.mlp.fc2.weight.dtype}; the layer rules fuse float32 "
             "experts only"
         )
     dims = value_dims(tokens)
-    if dims[1].syms or dims[1].coef != hidden or first.mlp.fc1[0][1].dims[0] != hidden:
+    if dims[1].syms or dims[1].coef != hidden or first.mlp.fc1[0].weight.dims[0] != hidden:
         raise LoopRefusal(
             f"the expert weights do not map the tokens' {dims[1]} features back to {hidden}"
         )

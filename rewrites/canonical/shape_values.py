@@ -60,12 +60,28 @@ class ShapeValue:
 #: The ops :func:`shape_value` evaluates (anything else is not a shape computation to it).
 _EVALUATED = frozenset(
     {"Shape", "Size", "Identity", "Cast", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze",
-     "Reshape", "ReduceProd", "Mul", "Div", "Add", "Sub"}
+     "Reshape", "ReduceProd", "Mul", "Div", "Add", "Sub", "ConstantOfShape"}
 )  # fmt: skip
 
 
-def shape_value(value: ir.Value | None, _depth: int = 0) -> ShapeValue | None:
-    """What the shape tensor ``value`` holds, element by element; None when not provable."""
+def shape_value(
+    value: ir.Value | None, _depth: int = 0, _memo: dict | None = None
+) -> ShapeValue | None:
+    """What the shape tensor ``value`` holds, element by element; None when not provable.
+
+    ``_memo`` is shared with :func:`value_dims` for one question (a Reshape target computed from
+    the dims of values whose own shapes come from computed targets): each value is read once.
+    """
+    memo = {} if _memo is None else _memo
+    key = ("shape_value", id(value))
+    if key in memo:
+        return memo[key]
+    memo[key] = None  # a cycle (an invalid graph) reads as unknown
+    memo[key] = out = _shape_value(value, _depth, memo)
+    return out
+
+
+def _shape_value(value: ir.Value | None, _depth: int, memo: dict) -> ShapeValue | None:
     if value is None or _depth > 32 or value.is_graph_input():
         return None
     if value.dtype is not None and value.dtype not in SHAPE_TYPES:
@@ -89,26 +105,28 @@ def shape_value(value: ir.Value | None, _depth: int = 0) -> ShapeValue | None:
     if node.op_type not in _EVALUATED or (value.shape is not None and len(value.shape) > 1):
         return None  # checked before the inputs: never a walk over the data path
     try:
-        return _evaluate(node, _depth + 1)
+        return _evaluate(node, _depth + 1, memo)
     except (TypeError, ValueError, IndexError, ZeroDivisionError):  # an unreadable node: no fact
         return None
 
 
-def _evaluate(node: ir.Node, depth: int) -> ShapeValue | None:
+def _evaluate(node: ir.Node, depth: int, memo: dict) -> ShapeValue | None:
     op, ins = node.op_type, node.inputs
     if op == "Shape":
-        dims = value_dims(ins[0])
+        dims = value_dims(ins[0], 0, memo)
         if dims is None:
             return None
         start, end = attr_int(node, "start", 0), attr_int(node, "end", None)
         return ShapeValue(tuple(dims[start:end]), False)
     if op == "Size":
-        dims = value_dims(ins[0])
+        dims = value_dims(ins[0], 0, memo)
         return None if dims is None else ShapeValue((product(dims),), True)
-    args = [shape_value(v, depth) for v in ins]
+    args = [shape_value(v, depth, memo) for v in ins]
     if not args or args[0] is None:
         return None
     first = args[0]
+    if op == "ConstantOfShape":
+        return _filled(node, first)
     if op in ("Identity", "Cast"):
         to = attr_int(node, "to", None)
         ok = op == "Identity" or (to is not None and ir.DataType(to) in SHAPE_TYPES)
@@ -142,6 +160,20 @@ def _evaluate(node: ir.Node, depth: int) -> ShapeValue | None:
     if op in ("Mul", "Div", "Add", "Sub") and len(args) == 2 and args[1] is not None:
         return _arithmetic(op, first, args[1])
     return None
+
+
+def _filled(node: ir.Node, shape: ShapeValue) -> ShapeValue | None:
+    """``ConstantOfShape([n])`` with an integer fill: ``n`` copies of it (a 1-D shape, say)."""
+    count = shape.ints
+    if shape.scalar or count is None or len(count) != 1 or not 0 <= count[0] <= _MAX_RANK:
+        return None
+    attr = node.attributes.get("value")
+    if attr is None or attr.is_ref():
+        return None  # the default fill is float 0: not a shape
+    fill = attr.value
+    if fill.dtype not in SHAPE_TYPES or fill.size != 1:
+        return None
+    return ShapeValue((Dim.of(int(fill.numpy().reshape(-1)[0])),) * count[0], False)
 
 
 def _slice(data: ShapeValue, args: list[ShapeValue | None]) -> ShapeValue | None:

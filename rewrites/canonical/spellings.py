@@ -15,6 +15,8 @@ value name), one family of small rules per module:
   attribute ``Clip`` (opset < 11) -> ``Clip(x, lo, hi)`` with inputs;
 * :mod:`.spelling_cast`: ``Cast`` chains that keep precision -> one ``Cast`` or none;
 * :mod:`.spelling_tile`: ``Tile`` that repeats only unit axes -> ``Expand``;
+* :mod:`.spelling_split_rows`: Reshapes that split token rows around a combine's ``Mul`` and
+  ``ReduceSum`` moved below them; a ``Tile`` of rows regrouped by copy -> ``Expand``;
 * :mod:`.spelling_einsum`: two-operand ``Einsum`` -> ``MatMul``/``Transpose``/``Unsqueeze``/
   ``Squeeze`` (``Mul``/``ReduceSum`` when nothing is contracted).
 
@@ -41,6 +43,7 @@ from .spelling_cast import cast_rules, eliminate_identity_casts
 from .spelling_clamp import clamp_rules
 from .spelling_common import FreshNames
 from .spelling_einsum import einsum_rules
+from .spelling_split_rows import split_rows_rules
 from .spelling_tile import tile_rules
 
 __all__ = ["MAX_ROUNDS", "NormalizeSpellingsPass", "spelling_rules"]
@@ -60,6 +63,7 @@ def spelling_rules(names: FreshNames, opset: int) -> list[pattern.RewriteRule]:
         *cast_rules(names, opset),
         *tile_rules(names, opset),
         *einsum_rules(names, opset),
+        *split_rows_rules(names, opset),
     ]
 
 

@@ -45,6 +45,7 @@ class LoopSpec:
     mutation: str | None = None
     seed: int = 0
     plain_rows: bool = False  # rows as Gather(x, t_e) (axis 0, no Reshape)
+    biases: bool = False  # every projection a Linear with bias: MatMul + Add of a row [N]
 
 
 class _G:
@@ -110,14 +111,20 @@ def _weight(g: _G, source: str, spelling: str) -> str:
     return source
 
 
-def _mlp(g: _G, rows: str, ws: list[str], spec: LoopSpec) -> str:
+def _mlp(g: _G, rows: str, ws: list[str], spec: LoopSpec, bs: list[str] | None) -> str:
+    def linear(x: str, j: int) -> str:
+        y = g.one("MatMul", [x, ws[j]])
+        if bs is None:
+            return y
+        # the TorchScript export adds the bias after, dynamo's Gemm lowering before the product
+        return g.one("Add", [y, bs[j]] if spec.spelling == "torchscript" else [bs[j], y])
+
     if spec.activation == "swiglu":
-        gate = g.one("MatMul", [rows, ws[0]])
-        up = g.one("MatMul", [rows, ws[1]])
+        gate, up = linear(rows, 0), linear(rows, 1)
         act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
     else:
-        act = g.one("Relu", [g.one("MatMul", [rows, ws[0]])])
-    return g.one("MatMul", [act, ws[-1]])
+        act = g.one("Relu", [linear(rows, 0)])
+    return linear(act, len(ws) - 1)
 
 
 def build_loop(spec: LoopSpec) -> onnx.ModelProto:
@@ -133,6 +140,10 @@ def build_loop(spec: LoopSpec) -> onnx.ModelProto:
     if spec.mutation == "shared_weight":  # expert 1's FC1 reads expert 0's initializer
         sources[1][0] = sources[0][0]
     names = [[_weight(g, w, spec.spelling) for w in ws] for ws in sources]
+    biases = [
+        [g.c(rng.standard_normal(s[1]).astype(np.float32) * 0.3) for s in shapes]
+        for _ in range(E)
+    ] if spec.biases else None  # fmt: skip
     router = rng.standard_normal((H, E)).astype(np.float32)
     w, ids = _router(g, "x", router, k)
     w_mask = w
@@ -177,7 +188,7 @@ def build_loop(spec: LoopSpec) -> onnx.ModelProto:
             pair = [g.one("Unsqueeze", [v, g.c(np.array([-1], np.int64))]) for v in (t, s)]
             pair = pair[::-1] if spec.mutation == "weight_swapped" else pair
             gw = g.one("GatherND", [w3, g.one("Concat", pair, axis=-1)])
-        y = _mlp(g, rows, names[e], spec)
+        y = _mlp(g, rows, names[e], spec, biases[e] if biases else None)
         if spec.mutation == "graph_output" and e == 0:
             graph_outputs.append(y)
         v = g.one("Mul", [y, gw])

@@ -52,10 +52,17 @@ SPECS = [
         for k in (1, 2)
     )
 ] + [LoopSpec(spelling=sp, plain_rows=True, seed=40) for sp in ("torchscript", "dynamo")]
+SPECS += [
+    LoopSpec(spelling=sp, activation=act, biases=True, seed=50 + i)
+    for i, (sp, act) in enumerate(
+        (sp, act) for sp in ("torchscript", "dynamo") for act in ("swiglu", "relu")
+    )
+]
 
 
 def _spec_id(s: LoopSpec) -> str:
-    return f"{s.spelling}-{s.activation}-E{s.experts}k{s.k}" + ("-plain" if s.plain_rows else "")
+    plain, bias = "-plain" if s.plain_rows else "", "-bias" if s.biases else ""
+    return f"{s.spelling}-{s.activation}-E{s.experts}k{s.k}{plain}{bias}"
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
@@ -67,6 +74,8 @@ def test_loop_becomes_per_slot_grouped_matmul_with_the_same_numbers(spec: LoopSp
     ops = collections.Counter(n.op_type for n in model.graph)
     fc1 = 2 if spec.activation == "swiglu" else 1
     assert ops["GroupedMatMul"] == fc1 + 1
+    biased = [n for n in model.graph if n.op_type == "GroupedMatMul" and len(n.inputs) == 4]
+    assert len(biased) == (fc1 + 1 if spec.biases else 0)  # each bias stacked into [E, N]
     assert not {"NonZero", "OneHot", "ScatterElements", "ScatterND"} & set(ops)
     assert model.graph.outputs[0].name == "out"
     assert model.opset_imports[""] == 29
@@ -138,14 +147,20 @@ def test_pass_reads_no_expert_weights():
 def _fuse_params():
     for spelling in ("torchscript", "dynamo"):
         for activation in ("swiglu", "relu"):
-            yield pytest.param(spelling, activation, id=f"{spelling}-{activation}")
+            for biases in (False, True):
+                bias = "-bias" if biases else ""
+                yield pytest.param(
+                    spelling, activation, biases, id=f"{spelling}-{activation}{bias}"
+                )
 
 
-@pytest.mark.parametrize(("spelling", "activation"), list(_fuse_params()))
-def test_fuse_writes_one_moe_with_the_loops_numbers(spelling: str, activation: str):
-    proto = build_loop(LoopSpec(spelling=spelling, activation=activation, seed=7))
+@pytest.mark.parametrize(("spelling", "activation", "biases"), list(_fuse_params()))
+def test_fuse_writes_one_moe_with_the_loops_numbers(spelling: str, activation: str, biases: bool):
+    proto = build_loop(LoopSpec(spelling=spelling, activation=activation, biases=biases, seed=7))
     result = onnx_moe_fuse.fuse(proto)
     assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
+    moe = next(n for n in result.model.graph.node if n.op_type == "MoE")
+    assert (len(moe.input) > 3 and moe.input[3] != "") == biases  # fc1_experts_bias
     rng = np.random.default_rng(11)
     for tokens in (1, 3, 7):
         x = rng.standard_normal((tokens, H)).astype(np.float32)

@@ -2,10 +2,11 @@
 
 optimum-onnx exports its own MoE forwards: Qwen3-MoE as a loop over all experts (NonZero per
 expert, gather, scatter-add; the TorchScript export, with and without renormalisation, and the
-same module through torch.onnx's dynamo exporter), gpt-oss as the dense all-experts form. The
-expert-loop pass proves each loop on its own and keeps the numbers (the canonicalised working
-copy, GroupedMatMul decomposed, against the stored PyTorch output); ``fuse`` then writes one MoE
-per layer that ONNX Runtime runs within 1e-4 of PyTorch.
+same module through torch.onnx's dynamo exporter), gpt-oss as the dense all-experts form (every
+expert on tokens ``Tile``d E times, a ``ScatterElements`` mask, the combine over ``[E, B, S, H]``
+with targets computed from ``Shape``). The expert-loop pass proves each loop on its own and keeps
+the numbers (the canonicalised working copy, GroupedMatMul decomposed, against the stored PyTorch
+output); ``fuse`` then writes one MoE per layer that ONNX Runtime runs within 1e-4 of PyTorch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -53,20 +55,7 @@ def test_loop_is_proved_and_the_canonical_copy_keeps_the_numbers(name: str):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def _fuse_params():
-    for name in LOOPS:
-        yield pytest.param(name)
-    yield pytest.param(
-        "gpt_oss_optimum",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="dense form: Shape(ScatterElements) keeps the dense weights used twice "
-            "(rewrites/canonical/dense_mask.py / fold_shapes; see the expert-loop report)",
-        ),
-    )
-
-
-@pytest.mark.parametrize("name", list(_fuse_params()))
+@pytest.mark.parametrize("name", [*LOOPS, "gpt_oss_optimum"])
 def test_export_fuses_into_one_moe_that_matches_pytorch(name: str):
     result = onnx_moe_fuse.fuse(OPTIMUM / f"{name}.onnx")
     assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
@@ -100,3 +89,22 @@ def test_loop_pass_refuses_the_trace_of_transformers_eager_loop():
     assert ir.serde.serialize_model(model).SerializeToString() == before
     [(_, reason)] = expert_loop_refusals(model)
     assert "the one-hot has 5 experts" in reason and "4 router scores" in reason
+
+
+def test_dense_export_whose_expert_count_escapes_is_refused_and_left_as_it_was(tmp_path):
+    # Shape(dense)[1], the expert count, also a graph output: the dense weights then have a
+    # second reader that outlives the layer, and the layer is refused as a whole
+    model = ir.load(OPTIMUM / "gpt_oss_optimum.onnx")
+    count = next(v for n in model.graph for v in n.outputs if v.name == "/Gather_2_output_0")
+    count.dtype, count.shape = ir.DataType.INT64, ir.Shape([])
+    model.graph.outputs.append(count)
+    path = tmp_path / "escaping_count.onnx"
+    ir.save(model, path)
+    before = path.read_bytes()
+    result = onnx_moe_fuse.fuse(path)
+    assert result.report.fusions == []
+    [miss] = result.report.near_misses
+    assert miss["part"] == "combine" and "/ScatterElements_output_0" in miss["reason"]
+    assert (
+        result.model.SerializeToString() == onnx.load_model_from_string(before).SerializeToString()
+    )

@@ -9,6 +9,7 @@ fails is skipped and reported, never raised.
 from __future__ import annotations
 
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import pytest
 from helpers import env_seed, nonzero_rel_err
@@ -19,7 +20,12 @@ from onnx_moe_fuse.ort_nodes import session
 from onnx_moe_fuse.reference import random_feeds, run_reference
 from onnx_moe_fuse.rewrites import canonical
 from onnx_moe_fuse.samples import get_sample
-from onnx_moe_fuse.splice import SpliceRefusal, splice_fused_node, tag_origin
+from onnx_moe_fuse.splice import (
+    SpliceRefusal,
+    origin_tail,
+    splice_fused_node,
+    tag_origin,
+)
 
 SAMPLE = "mixtral_dec_f32"
 
@@ -162,3 +168,48 @@ def test_fused_model_keeps_every_node_outside_the_region() -> None:
     )
     for name, want in ref.items():
         assert nonzero_rel_err(got[name], want) <= 1e-5
+
+
+def _toy_layer() -> ir.Model:
+    """``y = Reshape(Relu(t), Shape(Relu(t)))``, with the Shape also a graph output."""
+    proto = onnx.parser.parse_model("""<ir_version: 10, opset_import: ["" : 18]>
+    g (float[T, 4] t) => (float[T, 4] y, int64[2] sh) {
+      h = Relu(t)
+      sh = Shape(h)
+      y = Reshape(h, sh)
+    }""")
+    return ir.serde.deserialize_model(proto)
+
+
+def test_splice_refuses_a_kept_shape_of_a_replaced_value() -> None:
+    """A Shape that must stay (its output escapes) but reads a removed value: refused, unchanged."""
+    model = _toy_layer()
+    work = model.clone()
+    tag_origin(work.graph)
+    t = work.graph.inputs[0]
+    fake = ir.Node("com.microsoft", "MoE", [t], num_outputs=1, name="fake")
+    work.graph.append(fake)
+    before = ir.serde.serialize_model(model).SerializeToString()
+    with pytest.raises(SpliceRefusal, match="reads 'h', which the fused node replaces"):
+        splice_fused_node(model, fake, "y")
+    assert ir.serde.serialize_model(model).SerializeToString() == before
+
+
+def test_origin_tail_follows_a_layout_chain_to_an_original_value() -> None:
+    model = _toy_layer()
+    work = model.clone()
+    tag_origin(work.graph)
+    t = work.graph.inputs[0]
+    fake = ir.Node("com.microsoft", "MoE", [t], num_outputs=1, name="fake")
+    shape = ir.node(
+        "Constant", [], attributes={"value": ir.tensor([-1, 4], dtype=ir.DataType.INT64)}
+    )
+    tail = ir.node("Reshape", [fake.outputs[0], shape.outputs[0]])
+    tail.outputs[0].name = "y"  # the value stands for the original's 'y'
+    work.graph.extend([fake, shape, tail])
+    assert origin_tail(fake, "fused_out", model.graph) == (tail, "y")
+    # the proved output has a counterpart itself: no tail
+    assert origin_tail(fake, "h", model.graph) == (fake, "h")
+    other = ir.node("Relu", [fake.outputs[0]])  # a second reader: no tail
+    work.graph.append(other)
+    assert origin_tail(fake, "fused_out", model.graph) == (fake, "fused_out")

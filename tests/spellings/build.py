@@ -302,6 +302,7 @@ class _Layer:
         flat = c.rank == 3 and (
             c.experts not in ("gather_expand", "gather_reshape", "transpose_weights", "einsum")
             or c.router == "gemm_transb"
+            or c.combine == "split_rows"  # the experts on flat rows, the mix split back
         )
         tokens = g.node("Reshape", [x, g.i64(-1, h)], "tokens") if flat else x
         rank = 2 if flat else c.rank

@@ -85,7 +85,31 @@ def _combine_slots(layer: _Layer, y: str, weights: str, a: int) -> str:
     if c.combine == "matmul_row":
         row = g.node("Unsqueeze", [weights, g.i64(a)], "weights_row")  # [*, 1, k]
         return g.node("Squeeze", [g.node("MatMul", [row, y], "combined"), g.i64(a)], "moe_out")
+    if c.combine == "split_rows":
+        return _slots_split_rows(layer, y, weights)
     return g.node("Einsum", [weights, y], "moe_out", equation=f"{ax}k,{ax}kh->{ax}h")
+
+
+def _batch_dims(layer: _Layer) -> str:
+    """``[B, S]`` of the layer input: constants in a static export, else ``Shape(x)[0:2]``."""
+    c, g = layer.case, layer.g
+    if c.shapes == "static":
+        return g.i64(*c.token_dims)
+    return g.node("Shape", ["x"], "x_batch_dims", start=0, end=2)
+
+
+def _slots_split_rows(layer: _Layer, y: str, weights: str) -> str:
+    """Flat per-slot outputs ``[T, k, H]`` mixed as ``[B, S, k, H]``, summed over ``k``."""
+    c, g = layer.case, layer.g
+    k, h = c.top_k, c.hidden
+    bs = _batch_dims(layer)
+    split_y = g.node("Concat", [bs, g.i64(k), g.i64(h)], "split_y_shape", axis=0)
+    split_w = g.node("Concat", [bs, g.i64(k)], "split_w_shape", axis=0)
+    y4 = g.node("Reshape", [y, split_y], "fc2_split")  # [B, S, k, H]
+    w3 = g.node("Reshape", [weights, split_w], "weights_split")  # [B, S, k]
+    w4 = g.node("Unsqueeze", [w3, g.i64(3)], "weights_split_1")  # [B, S, k, 1]
+    weighted = g.node("Mul", [w4, y4], "weighted")  # the weights first, as some write it
+    return g.node("ReduceSum", [weighted, g.i64(2)], "moe_out", keepdims=0)
 
 
 # -- flattened rows (torch batched_mm) ------------------------------------------------------
@@ -178,4 +202,31 @@ def _dense(layer: _Layer, tokens, weights, idx, fc1, fc2_logical) -> str:
         row = g.node("Unsqueeze", [dense, g.i64(1)], "dense_row")  # [T, 1, E]
         y_t = g.node("Transpose", [y], "fc2_by_token", perm=[1, 0, 2])  # [T, E, H]
         return g.node("Squeeze", [g.node("MatMul", [row, y_t], "combined"), g.i64(1)], "moe_out")
+    if c.combine == "split_rows":
+        return _dense_split_rows(layer, y, dense)
     return g.node("Einsum", [dense, y], "moe_out", equation="te,eth->th")
+
+
+def _dense_split_rows(layer: _Layer, y: str, dense: str) -> str:
+    """optimum's dense gpt-oss mix: over ``[E, B, S, H]``, targets from ``Shape(x)`` or static.
+
+    ``y [E, T, H]`` and the transposed weights ``[E, T]`` are split into ``[E, B, -1, ...]``,
+    the batch ``B`` read from the layer input (a constant in a static export), then multiplied
+    and summed over the experts: ``[B, S, H]``.
+    """
+    c, g = layer.case, layer.g
+    e, h = c.experts_count, c.hidden
+    if c.shapes == "static":
+        batch = g.i64(c.token_dims[0])
+    else:
+        index = g.init("batch_index", np.array(0, dtype=np.int64))  # a scalar: B, not [B]
+        first = g.node("Gather", [g.node("Shape", ["x"], "x_dims"), index], "batch", axis=0)
+        batch = g.node("Unsqueeze", [first, g.i64(0)], "batch_1d")
+    split_y = g.node("Concat", [g.i64(e), batch, g.i64(-1), g.i64(h)], "split_y_shape", axis=0)
+    split_w = g.node("Concat", [g.i64(e), batch, g.i64(-1)], "split_w_shape", axis=0)
+    y4 = g.node("Reshape", [y, split_y], "fc2_split")  # [E, B, S, H]
+    per_expert = g.node("Transpose", [dense], "dense_et", perm=[1, 0])  # [E, T]
+    w3 = g.node("Reshape", [per_expert, split_w], "dense_split")  # [E, B, S]
+    w4 = g.node("Unsqueeze", [w3, g.i64(3)], "dense_split_1")  # [E, B, S, 1]
+    weighted = g.node("Mul", [y4, w4], "weighted")
+    return g.node("ReduceSum", [weighted, g.i64(0)], "moe_out", keepdims=0)

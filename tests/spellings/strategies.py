@@ -45,7 +45,22 @@ ACTIVATIONS = (
     "gelu_tanh",  # Gelu(approximate="tanh")
     "swiglu_oss",  # gpt-oss: strided, clamp 7, alpha 1.702, +1 on the linear side
 )
-COMBINES = ("mul_reducesum", "matmul_row", "einsum")
+COMBINES = (
+    "mul_reducesum",
+    "matmul_row",
+    "einsum",
+    # [B, S] tokens flattened for the experts, the mix split back: over [E, B, S, H] (dense,
+    # optimum's dense gpt-oss) or [B, S, k, H] (per slot)
+    "split_rows",
+)
+#: Combines that only some layouts write: combine -> (the experts, the ranks) it needs.
+COMBINE_NEEDS = {
+    "split_rows": (
+        frozenset({"dense_onehot", "dense_equal", "gather_expand", "gather_reshape",
+                   "transpose_weights", "einsum"}),
+        frozenset({3}),
+    )
+}  # fmt: skip
 WEIGHT_DTYPES = ("float32", "int4", "uint4", "int8", "uint8")
 GRANULARITIES = ("channel", "block32")  # scales per output channel, or per block of 32 along K
 ZERO_POINTS = ("absent", "explicit")  # explicit: 0 signed, 8 uint4, 128 uint8 (the symmetric point)
@@ -324,12 +339,19 @@ def layer_cases(
     zero_point = pick("zero_point", ZERO_POINTS)
     if weight_dtype in ("uint4", "uint8") or mutation == "zero_point_off":
         zero_point = "explicit"  # unsigned codes without a zero point mean zp 0: not symmetric
+    experts = pick("experts", EXPERTS)
+    combines = tuple(
+        name
+        for name in COMBINES
+        if name not in COMBINE_NEEDS
+        or (experts in COMBINE_NEEDS[name][0] and rank in COMBINE_NEEDS[name][1])
+    )
     return LayerCase(
         router=pick("router", ROUTERS),
         routing=pick("routing", routing_values),
-        experts=pick("experts", EXPERTS),
+        experts=experts,
         activation=pick("activation", ACTIVATIONS),
-        combine=pick("combine", COMBINES),
+        combine=pick("combine", combines),
         weight_dtype=weight_dtype,
         granularity=granularity,
         zero_point=zero_point,
@@ -366,6 +388,10 @@ def is_valid(case: LayerCase) -> bool:
         return False
     if case.quantized and case.granularity == "block32":
         if case.hidden % 32 or case.inter % 32:
+            return False
+    if case.combine in COMBINE_NEEDS:
+        experts, ranks = COMBINE_NEEDS[case.combine]
+        if case.experts not in experts or case.rank not in ranks:
             return False
     return 1 <= case.top_k <= case.experts_count
 
