@@ -170,24 +170,28 @@ def test_fused_model_keeps_every_node_outside_the_region() -> None:
         assert nonzero_rel_err(got[name], want) <= 1e-5
 
 
-def _toy_layer() -> ir.Model:
-    """``y = Reshape(Relu(t), Shape(Relu(t)))``, with the Shape also a graph output."""
+def _toy_layer() -> tuple[ir.Model, ir.Model, ir.Node]:
+    """A toy layer, its tagged working copy, and a fake fused node for the copy.
+
+    ``y = Reshape(Relu(t), Shape(Relu(t)))``, the Shape also a graph output; the fake node reads
+    only ``t`` and is not in the copy's graph yet.
+    """
     proto = onnx.parser.parse_model("""<ir_version: 10, opset_import: ["" : 18]>
     g (float[T, 4] t) => (float[T, 4] y, int64[2] sh) {
       h = Relu(t)
       sh = Shape(h)
       y = Reshape(h, sh)
     }""")
-    return ir.serde.deserialize_model(proto)
+    model = ir.serde.deserialize_model(proto)
+    work = model.clone()
+    tag_origin(work.graph)
+    fake = ir.Node("com.microsoft", "MoE", [work.graph.inputs[0]], num_outputs=1, name="fake")
+    return model, work, fake
 
 
 def test_splice_refuses_a_kept_shape_of_a_replaced_value() -> None:
     """A Shape that must stay (its output escapes) but reads a removed value: refused, unchanged."""
-    model = _toy_layer()
-    work = model.clone()
-    tag_origin(work.graph)
-    t = work.graph.inputs[0]
-    fake = ir.Node("com.microsoft", "MoE", [t], num_outputs=1, name="fake")
+    model, work, fake = _toy_layer()
     work.graph.append(fake)
     before = ir.serde.serialize_model(model).SerializeToString()
     with pytest.raises(SpliceRefusal, match="reads 'h', which the fused node replaces"):
@@ -196,11 +200,7 @@ def test_splice_refuses_a_kept_shape_of_a_replaced_value() -> None:
 
 
 def test_origin_tail_follows_a_layout_chain_to_an_original_value() -> None:
-    model = _toy_layer()
-    work = model.clone()
-    tag_origin(work.graph)
-    t = work.graph.inputs[0]
-    fake = ir.Node("com.microsoft", "MoE", [t], num_outputs=1, name="fake")
+    model, work, fake = _toy_layer()
     shape = ir.node(
         "Constant", [], attributes={"value": ir.tensor([-1, 4], dtype=ir.DataType.INT64)}
     )
