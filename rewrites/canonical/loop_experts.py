@@ -8,10 +8,14 @@ that form. This pass proves the loop equals the MoE of its TopK and rewrites it,
 copy, into the per-slot form the layer rules (``rewrites/moe_layer.py``) fuse, the one
 :mod:`.sorted_experts` writes::
 
-    fc1_j = GroupedMatMul(tokens [T, H], W1_j [E, H, N], ids [T, k])      # one per FC1
+    fc1_j = GroupedMatMul(tokens [T, H], W1_j [E, H, N], ids [T, k] (, b1_j [E, N]))  # per FC1
     act   = the experts' row-wise activation on the fc1_j (feature axis -1)
-    fc2   = Reshape(GroupedMatMul(Reshape(act, [-1, I]), W2, Reshape(ids, [-1, 1])), [-1, k, H])
+    fc2   = Reshape(GroupedMatMul(Reshape(act, [-1, I]), W2, Reshape(ids, [-1, 1]) (, b2)),
+                    [-1, k, H])
     out   = ReduceSum(Mul(fc2, Unsqueeze(weights, [-1])), axes=[1], keepdims=0)
+
+(the biases where the experts' projections have them: ``Linear`` with bias, hand-written MoE
+code's default).
 
 ``out`` takes the name of the loop's last accumulator; the tokens, ids, routing weights and the
 router stay as they are. The stacked weights ``[E, K, N]`` are new initializers holding lazy
