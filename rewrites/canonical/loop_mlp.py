@@ -362,30 +362,25 @@ def _projection_nodes(p: LoopProjection) -> list[ir.Node]:
     return [p.node] if add is p.node or add is None else [p.node, add]
 
 
-def stack_weights(refs: list[WeightRef], name: str) -> ir.Value:
-    """A new ``[E, K, N]`` value (not yet registered) stacking ``refs`` in expert order, lazily."""
-    k, n = refs[0].dims
-    dtype = refs[0].dtype
-    shape = ir.Shape([len(refs), k, n])
+def _lazy_stack(refs: list, dtype: ir.DataType, dims: list[int], name: str) -> ir.Value:
+    """A new value (not yet registered) stacking ``r.array()`` of ``refs``, read when first used."""
+    shape = ir.Shape([len(refs), *dims])
 
     def compute() -> ir.TensorProtocol:
         return ir.Tensor(np.ascontiguousarray(np.stack([r.array() for r in refs])), dtype=dtype)
 
     tensor = ir.LazyTensor(compute, dtype, shape, cache=True, name=name)
     return ir.Value(name=name, type=ir.TensorType(dtype), shape=shape, const_value=tensor)
+
+
+def stack_weights(refs: list[WeightRef], name: str) -> ir.Value:
+    """The ``[E, K, N]`` stack of one projection's weights ``refs``, in expert order, lazily."""
+    return _lazy_stack(refs, refs[0].dtype, list(refs[0].dims), name)
 
 
 def stack_biases(refs: list[BiasRef], name: str) -> ir.Value:
-    """A new ``[E, N]`` value stacking the bias rows ``refs`` in expert order, lazily."""
-    width = refs[0].width
-    dtype = refs[0].source.const_value.dtype
-    shape = ir.Shape([len(refs), width])
-
-    def compute() -> ir.TensorProtocol:
-        return ir.Tensor(np.ascontiguousarray(np.stack([r.array() for r in refs])), dtype=dtype)
-
-    tensor = ir.LazyTensor(compute, dtype, shape, cache=True, name=name)
-    return ir.Value(name=name, type=ir.TensorType(dtype), shape=shape, const_value=tensor)
+    """The ``[E, N]`` stack of one projection's bias rows ``refs``, in expert order, lazily."""
+    return _lazy_stack(refs, refs[0].source.const_value.dtype, [refs[0].width], name)
 
 
 def clone_activation(
