@@ -194,7 +194,8 @@ def _add_dead_feeders(g: nx.DiGraph, region: dict[int, ir.Node], boundary: list[
     becomes Unsqueeze / Concat pieces of shapes inside the layer. They would count as escapes,
     yet they are dead once the region is gone. Such a node is downstream of the region, none of
     its outputs is a graph output, a boundary value (the fused node reads those) or read by a
-    node that stays; they are found as a fixpoint and added with their edges.
+    node that stays; one backward pass over what follows the region finds them (linear in
+    the nodes after it), and they are added with their edges.
     """
     keep_out = {id(v) for v in boundary}
     later: dict[int, ir.Node] = {}
@@ -216,14 +217,14 @@ def _add_dead_feeders(g: nx.DiGraph, region: dict[int, ir.Node], boundary: list[
                 return False
         return True
 
-    dead = dict(later)
-    changed = True
-    while changed:
-        changed = False
-        for i, node in list(dead.items()):
-            if not stays_dead(node, dead):
-                del dead[i]
-                changed = True
+    # users come after their producers in the graph's (topological) order: walked backwards,
+    # every user of a node is decided before it, so one pass finds the fixpoint
+    graph = next(iter(region.values())).graph
+    order = {id(n): i for i, n in enumerate(graph)} if graph is not None else {}
+    dead: dict[int, ir.Node] = {}
+    for node in sorted(later.values(), key=lambda n: order.get(id(n), 0), reverse=True):
+        if stays_dead(node, dead):
+            dead[id(node)] = node
     for node in dead.values():
         region[id(node)] = node
     for node in dead.values():
