@@ -34,7 +34,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites._graph_facts import attr_int, const_array, const_ints, label
 
 from .loop_values import LoopRefusal
-from .sorted_rowwise import ELEMENTWISE
+from .sorted_rowwise import ELEMENTWISE, per_slot_operands
 from .sorted_values import const_shape, producer_op, small_const
 
 __all__ = [
@@ -397,14 +397,7 @@ def clone_activation(
     mapping = dict(starts)
     built: list[ir.Node] = []
     for node in mlp.act_nodes:
-        inputs = [mapping.get(id(v), v) if v is not None else None for v in node.inputs]
-        attributes = [a for a in node.attributes.values() if a.name != "axis"]
-        if node.op_type == "Split":
-            attributes.append(ir.AttrInt64("axis", -1))
-        elif "axis" in node.attributes:
-            attributes.append(node.attributes["axis"])
-        if node.op_type == "Slice":
-            inputs[3] = new_ints([-1] * len(const_ints(node.inputs[3]) or []))
+        inputs, attributes = per_slot_operands(node, mapping, new_ints)
         outputs = [ir.Value(name=fresh(o.name or "act"), type=o.type) for o in node.outputs]
         clone = ir.Node(
             node.domain,

@@ -18,7 +18,7 @@ from onnx_moe_fuse.rewrites._graph_facts import attr_int, const_ints, label
 
 from .sorted_values import const_shape
 
-__all__ = ["RowwiseRegion", "rowwise_region", "clone_rowwise"]
+__all__ = ["RowwiseRegion", "clone_rowwise", "per_slot_operands", "rowwise_region"]
 
 #: Elementwise ops (all operands broadcast elementwise; no axis attribute).
 ELEMENTWISE = frozenset(
@@ -124,6 +124,25 @@ def rowwise_region(
     return RowwiseRegion(nodes, start, end), None
 
 
+def per_slot_operands(
+    node: ir.Node, mapping: dict[int, ir.Value], new_const: Callable[[list[int]], ir.Value]
+) -> tuple[list[ir.Value | None], list[ir.Attr]]:
+    """The inputs (remapped) and attributes of ``node``'s clone on per-slot ``[T, k, F]`` values.
+
+    A feature axis (``Split``'s ``axis``, ``Slice``'s ``axes``) becomes ``-1``: the same axis of
+    the per-slot tensor whatever the rank the node had.
+    """
+    inputs = [mapping.get(id(v), v) if v is not None else None for v in node.inputs]
+    attributes = [a for a in node.attributes.values() if a.name != "axis"]
+    if node.op_type == "Split":
+        attributes.append(ir.AttrInt64("axis", -1))
+    elif "axis" in node.attributes:
+        attributes.append(node.attributes["axis"])
+    if node.op_type == "Slice":
+        inputs[3] = new_const([-1] * len(const_ints(node.inputs[3]) or []))
+    return inputs, attributes
+
+
 def clone_rowwise(
     region: RowwiseRegion,
     new_start: ir.Value,
@@ -140,14 +159,7 @@ def clone_rowwise(
     mapping: dict[int, ir.Value] = {id(region.start): new_start}
     built: list[ir.Node] = []
     for node in region.nodes:
-        inputs = [mapping.get(id(v), v) if v is not None else None for v in node.inputs]
-        attributes = [a for a in node.attributes.values() if a.name != "axis"]
-        if node.op_type == "Split":
-            attributes.append(ir.AttrInt64("axis", -1))
-        elif "axis" in node.attributes:
-            attributes.append(node.attributes["axis"])
-        if node.op_type == "Slice":
-            inputs[3] = new_const([-1] * len(const_ints(node.inputs[3]) or []))
+        inputs, attributes = per_slot_operands(node, mapping, new_const)
         outputs = [
             ir.Value(name=fresh(o.name or "act"), type=o.type, shape=_per_slot(o, leading_dims))
             for o in node.outputs
