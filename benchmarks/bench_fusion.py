@@ -26,7 +26,7 @@ SIZES = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 
 
 def _build_layer(scale: float) -> tuple[object, dict[str, int]]:
-    from onnx_moe_fuse.samples._layers import LayerSpec, build_layer
+    from onnx_moe_fuse.samples.layers import LayerSpec, build_layer
 
     sizes = {k: max(1, int(v * scale)) if k != "top_k" else v for k, v in SIZES.items()}
     spec = LayerSpec(

@@ -54,7 +54,7 @@ def call_once(kernel, call: dict, attrs: dict, variant: str) -> float:
 
 def ort_session(call: dict, attrs: dict, threads: int):
     """The CPU composition as a session (weights as initializers, default optimisations)."""
-    from onnx_moe_fuse.ort_nodes import qkv_composition_model, session
+    from onnx_moe_fuse.verify.ort_nodes import qkv_composition_model, session
 
     model, feeds, names = qkv_composition_model(call, attrs)
     sess = session(model, threads=threads, optimize=True)

@@ -57,7 +57,7 @@ from onnx_moe_fuse.kernels.cases import load_cases  # noqa: E402
 from onnx_moe_fuse.kernels.device import default_device  # noqa: E402
 from onnx_moe_fuse.kernels.planner import MANIFEST_DTYPES, KernelCallError  # noqa: E402
 from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders  # noqa: E402
-from onnx_moe_fuse.oracles.moe import route_moe, route_qmoe  # noqa: E402
+from onnx_moe_fuse.verify.oracles.moe import route_moe, route_qmoe  # noqa: E402
 
 # -- inputs -------------------------------------------------------------------------------
 

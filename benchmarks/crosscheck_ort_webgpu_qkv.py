@@ -164,7 +164,7 @@ def worker(in_dir: Path, out_dir: Path) -> int:
 
 def _cases(rng: np.random.Generator, count: int):
     """(name, arrays, attrs, residual): every dtype x skip form x shape in turn, rows cycling."""
-    from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
+    from onnx_moe_fuse.verify.oracles.quant import quantize_matmul_nbits
 
     shapes = [(64, 64, 32), (96, 40, 24), (256, 128, 64), (2048, 2048, 512)]
     leads = [(1,), (5,), (1, 1), (2, 3), (16,)]
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     from common import rel_err
 
     from onnx_moe_fuse.kernels.runtime import get_kernel
-    from onnx_moe_fuse.oracles.kernel_calls import KERNEL_ORACLES
+    from onnx_moe_fuse.verify.oracles.kernel_calls import KERNEL_ORACLES
 
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)

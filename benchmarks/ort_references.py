@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_moe_fuse.ort_nodes import kernel_node_inputs, kernel_node_model
+from onnx_moe_fuse.verify.ort_nodes import kernel_node_inputs, kernel_node_model
 
 OPS = {"qmoe": "com.microsoft.QMoE", "moe": "com.microsoft.MoE"}
 WEIGHTS = {

@@ -10,9 +10,9 @@
     result.report.fusions[0]["op"]                 # "QMoE"
     result.report.to_dict()                        # JSON-ready: fusions, near_misses
 
-``fuse`` validates the model first (:func:`onnx_moe_fuse.model_check.validate_model`: opset
+``fuse`` validates the model first (:func:`onnx_moe_fuse.io.model_check.validate_model`: opset
 imports, the attribute sets of standard ops, the ONNX checker; a path also has its external data
-checked as ORT reads it), then runs :func:`onnx_moe_fuse.passes.fusion_pipeline` for the
+checked as ORT reads it), then runs :func:`onnx_moe_fuse.pipeline.fusion_pipeline` for the
 ``target`` runtime. Bad input or options raise errors of :mod:`onnx_moe_fuse.errors` (each a
 ``ValueError`` or ``OSError``), never a bare protobuf or checker error. It needs onnx, onnx-ir
 and onnxscript only (not wgpu, not onnxruntime).
@@ -27,12 +27,11 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites import ort_contract
-
-from .errors import OptionError
-from .model_check import validate_model
-from .model_io import load_model
-from .passes import ALL_FUSED_OPS, FusionReport, fusion_pipeline
+from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.errors import OptionError
+from onnx_moe_fuse.io.model_check import validate_model
+from onnx_moe_fuse.io.model_io import load_model
+from onnx_moe_fuse.pipeline import ALL_FUSED_OPS, FusionReport, fusion_pipeline
 
 __all__ = ["FuseResult", "FusionReport", "check_target", "fuse"]
 
@@ -90,11 +89,11 @@ def fuse(
     Args:
         model: a ``ModelProto`` (not modified), an ``onnx_ir.Model`` (fused in place) or the
             path of a ``.onnx`` file (validated and read with its external data, as
-            :func:`onnx_moe_fuse.model_io.load_model` reads it).
+            :func:`onnx_moe_fuse.io.model_io.load_model` reads it).
         only: the ops that may be emitted, e.g. ``{"MoE"}``; default all of
             ``{"MoE", "QMoE", "MatMulNBitsQkv"}``.
         target: the runtime the fused nodes are written for, one of
-            ``onnx_moe_fuse.rewrites.ort_contract.TARGETS`` (``"ort-cpu"``, the default,
+            ``onnx_moe_fuse.contract.targets.TARGETS`` (``"ort-cpu"``, the default,
             ``"ort-cuda"``, ``"ort-webgpu"``): only ops it has kernels for are emitted, each with
             the attribute set it accepts.
 

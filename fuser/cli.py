@@ -12,9 +12,9 @@ for a command that needs one; 4 an internal error (a bug of ours: a short messag
 traceback only with ``--debug``).
 
 Everything that can be checked before work starts is checked first, in this order: the options
-(``--seeds``, ``--only``, ``--target``), the output paths (:func:`onnx_moe_fuse.output_paths.
+(``--seeds``, ``--only``, ``--target``), the output paths (:func:`onnx_moe_fuse.io.output_paths.
 check_output_paths`: none may be the input, its data or another output; their folders must
-exist and take files), the input model (:func:`onnx_moe_fuse.model_io.load_model` validates
+exist and take files), the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates
 it), the WebGPU adapter. Outputs are written last, each atomically.
 """
 
@@ -29,10 +29,9 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from onnx_moe_fuse.rewrites import ort_contract
-
-from .errors import MoEFuseError, OptionError
-from .output_paths import one_line, write_text_atomic
+from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.errors import MoEFuseError, OptionError
+from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
@@ -133,7 +132,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def parse_only(text: str | None) -> set[str] | None:
     """``"QMoE,MoE"`` -> ``{"QMoE", "MoE"}``; unknown or no op: :class:`OptionError`."""
-    from .passes import ALL_FUSED_OPS
+    from onnx_moe_fuse.pipeline import ALL_FUSED_OPS
 
     if text is None:
         return None
@@ -200,9 +199,9 @@ def _error(message: str, code: int) -> int:
 
 
 def _check_paths(args: argparse.Namespace, input_path: Path | None) -> None:
-    from .errors import OutputPathError
-    from .model_io import data_file_for, input_files
-    from .output_paths import check_output_paths
+    from onnx_moe_fuse.errors import OutputPathError
+    from onnx_moe_fuse.io.model_io import data_file_for, input_files
+    from onnx_moe_fuse.io.output_paths import check_output_paths
 
     outputs: dict[str, Path] = {}
     if args.output:
@@ -227,8 +226,8 @@ def _needs_adapter() -> int | None:
 
 
 def _fuse_command(args: argparse.Namespace) -> int:
-    from . import api
-    from .model_io import load_model, save_model_atomic
+    from onnx_moe_fuse import api
+    from onnx_moe_fuse.io.model_io import load_model, save_model_atomic
 
     seeds = parse_seeds(args.seeds)
     only = parse_only(args.only)
@@ -247,7 +246,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
     if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
         return _fuse_streaming(args, input_path, only, target)
     if args.demo:
-        from .samples import default_sample
+        from onnx_moe_fuse.samples import default_sample
 
         sample = default_sample()
         print(f"demo: sample {sample.name}: {sample.description}")
@@ -272,7 +271,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
 
     ok = True
     if args.verify or args.demo:
-        from .verify import verify
+        from onnx_moe_fuse.verify.checker import verify
 
         if result.fused:
             verification = verify(original, result.model, seeds=seeds)
@@ -302,7 +301,7 @@ def _fuse_streaming(
     args: argparse.Namespace, input_path: Path, only: set[str] | None, target: str
 ) -> int:
     """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
-    from .streaming_io import fuse_file
+    from onnx_moe_fuse.streaming_io import fuse_file
 
     result = fuse_file(input_path, args.output, only=only, target=target)
     report: dict[str, Any] = {
@@ -323,8 +322,7 @@ def _fuse_streaming(
 
 def _self_check(args: argparse.Namespace) -> int:
     from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
-
-    from .selfcheck import print_self_check, run_self_check
+    from onnx_moe_fuse.verify.selfcheck import print_self_check, run_self_check
 
     try:
         device = default_device()
@@ -351,7 +349,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     """What a user's input or options can raise: exit 2 with the message, no traceback."""
-    from .reference import FeedTooLargeError
+    from onnx_moe_fuse.verify.reference import FeedTooLargeError
 
     return (MoEFuseError, FeedTooLargeError)
 

@@ -4,18 +4,18 @@
 holds the model's weights in memory:
 
 1. the input is validated without its tensor data
-   (:func:`onnx_moe_fuse.model_io.check_model_file`: the header, the opsets and attributes, the
+   (:func:`onnx_moe_fuse.io.model_io.check_model_file`: the header, the opsets and attributes, the
    checker, every external tensor's data file resolved as ORT resolves it and long enough),
    then loaded with ``ir.load``, which maps external data lazily (a tensor whose data onnx-ir's
    own containment check would refuse, a Hugging Face cache blob, is re-pointed at the file it
    resolves to);
 2. the output paths are checked before any work, as
-   :func:`onnx_moe_fuse.model_io.save_model_atomic` checks them
-   (:func:`onnx_moe_fuse.output_paths.check_output_paths`);
-3. the fusion pipeline runs in place with a :class:`~onnx_moe_fuse.weight_sink.ScratchFileSink`
+   :func:`onnx_moe_fuse.io.model_io.save_model_atomic` checks them
+   (:func:`onnx_moe_fuse.io.output_paths.check_output_paths`);
+3. the fusion pipeline runs in place with a :class:`~onnx_moe_fuse.io.weight_sink.ScratchFileSink`
    in the output's folder: each fused layer's repacked weights go to the scratch file as they
    are made, and the rules read each layer's source weights transiently
-   (:func:`onnx_moe_fuse.rewrites.tensor_reads.read_array`);
+   (:func:`onnx_moe_fuse.rewrites.graph.tensor_reads.read_array`);
 4. ``ir.save`` with external data writes the model into a hidden temporary folder inside the
    output's folder, copying each tensor from its file (the input's data, the scratch file) into
    ``<out name>.data`` one at a time; both files are fsynced and moved into place with
@@ -29,7 +29,7 @@ an unfused ModelProto as it was.
 
 A model whose input keeps its data inside the ``.onnx`` file (no external data) is in memory
 once it is parsed anyway: it is fused with the in-memory sink and saved as one file, as
-:func:`~onnx_moe_fuse.model_io.save_model_atomic` saves it, unless it would exceed protobuf's
+:func:`~onnx_moe_fuse.io.model_io.save_model_atomic` saves it, unless it would exceed protobuf's
 2 GB limit, when it gets a data file too. ``--verify`` runs both models and so needs them in
 memory: it keeps the in-memory path.
 """
@@ -47,10 +47,10 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from .errors import ExternalDataError, ModelLoadError, MoEFuseError, OutputWriteError
-from .external_data import resolve_external_file
-from .model_check import all_tensors, is_external
-from .model_io import (
+from onnx_moe_fuse.errors import ExternalDataError, ModelLoadError, MoEFuseError, OutputWriteError
+from onnx_moe_fuse.io.external_data import resolve_external_file
+from onnx_moe_fuse.io.model_check import all_tensors, is_external
+from onnx_moe_fuse.io.model_io import (
     EXTERNAL_SIZE_THRESHOLD,
     PROTOBUF_LIMIT,
     _fsync,
@@ -59,9 +59,9 @@ from .model_io import (
     data_file_for,
     input_files,
 )
-from .output_paths import check_output_paths, new_file_mode, one_line
-from .passes import FusionReport, fusion_pipeline
-from .weight_sink import ScratchFileSink
+from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line
+from onnx_moe_fuse.io.weight_sink import ScratchFileSink
+from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 
 __all__ = ["StreamedFusion", "fuse_file"]
 
@@ -85,7 +85,7 @@ class StreamedFusion:
 def _readable_external_tensors(model: ir.Model, path: Path) -> bool:
     """Make every external tensor readable by onnx-ir; return whether the model has any.
 
-    The data files were checked already (:func:`~onnx_moe_fuse.model_io.check_model_file`).
+    The data files were checked already (:func:`~onnx_moe_fuse.io.model_io.check_model_file`).
     onnx-ir reads only from inside ``base_dir`` after resolving links; a data file that the
     ORT rules allow elsewhere (a link into the folder of the resolved model, as in a Hugging
     Face cache) gets a tensor pointing at the file it resolves to.

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .manifest import ManifestError
-from .planner import MANIFEST_DTYPES
+from onnx_moe_fuse.kernels.manifest import ManifestError
+from onnx_moe_fuse.kernels.planner import MANIFEST_DTYPES
 
 _CASE_KEYS = {"name", "description", "source", "inputs", "expected", "error", "attrs",
               "tunables", "deviceLimits", "tolerance", "variants"}  # fmt: skip

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .expressions import ExpressionError, parse
+from onnx_moe_fuse.kernels.expressions import ExpressionError, parse
 
 
 class ManifestError(ValueError):

@@ -18,8 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from .expressions import ExpressionError, FeatureSet, Record, Scope, make_f16_ok, parse
-from .manifest import KernelManifest, TensorSpec, Variant
+from onnx_moe_fuse.kernels.expressions import (
+    ExpressionError,
+    FeatureSet,
+    Record,
+    Scope,
+    make_f16_ok,
+    parse,
+)
+from onnx_moe_fuse.kernels.manifest import KernelManifest, TensorSpec, Variant
 
 #: numpy dtype -> manifest dtype name.
 NUMPY_DTYPES = {

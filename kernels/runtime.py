@@ -24,9 +24,9 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from .device import Device, default_device
-from .expressions import ExpressionError, Record, Scope
-from .manifest import (
+from onnx_moe_fuse.kernels.device import Device, default_device
+from onnx_moe_fuse.kernels.expressions import ExpressionError, Record, Scope
+from onnx_moe_fuse.kernels.manifest import (
     BindingSpec,
     Dispatch,
     KernelManifest,
@@ -34,7 +34,13 @@ from .manifest import (
     RepeatGroup,
     load_manifest,
 )
-from .planner import MANIFEST_DTYPES, DeviceFacts, KernelCallError, Plan, make_plan
+from onnx_moe_fuse.kernels.planner import (
+    MANIFEST_DTYPES,
+    DeviceFacts,
+    KernelCallError,
+    Plan,
+    make_plan,
+)
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 COMMON_TEMPLATES = PACKAGE_ROOT / "common"
@@ -197,7 +203,7 @@ class Kernel:
                 )
 
     def _all_passes(self) -> list[Pass]:
-        from .manifest import iter_passes
+        from onnx_moe_fuse.kernels.manifest import iter_passes
 
         return [p for v in self.manifest.variants for p in iter_passes(v.passes)]
 

@@ -403,7 +403,7 @@ def link_from_block_index(index: dict[str, Any]) -> None:
     """Point ``exported/index.json`` (the block exports') at this index, under ``causal_lm``.
 
     Only that key changes: its ``models`` stay the block exports that
-    ``tests/rewrites/test_exported_models_fuse.py`` fuses.
+    ``tests/pipeline/test_exported_models_fuse.py`` fuses.
     """
     top_path = OUT_DIR.parent / "index.json"
     top = json.loads(top_path.read_text(encoding="utf-8"))

@@ -10,7 +10,7 @@
 # second venv .venv-weekly with onnx-weekly (opset 29's GroupedMatMul reference), kept
 # apart because onnxscript pins the released onnx, and a third, .venv-webgpu, with
 # onnxruntime-webgpu 1.27 (the ort-webgpu target's package: it installs as `onnxruntime`, like
-# the CPU package in .venv), which tests/targets loads every model fused for ort-webgpu in.
+# the CPU package in .venv), which tests/pipeline/test_ort_loads.py loads every model fused for ort-webgpu in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnx_moe_fuse.oracles.quant import pack_qmoe
+from onnx_moe_fuse.verify.oracles.quant import pack_qmoe
 
 #: Error bound of the float32 QMoE / MoE kernels against their references.
 TOL = 1e-4

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_moe_fuse.ort_nodes import kernel_node_model, session
+from onnx_moe_fuse.verify.ort_nodes import kernel_node_model, session
 
 #: Attributes ORT before 1.32 does not know, with the written values equal to their absence.
 NEW_ATTRIBUTES = {"accuracy_level": (0,), "swiglu_limit_after_activation": (0,)}

@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import onnx
 
-from ._layers import build_layer
-from .catalog import CATALOG, DEFAULT_SAMPLE, Entry
-from .qkv import QKV_CATALOG, QkvEntry, build_qkv
+from onnx_moe_fuse.samples.catalog import CATALOG, DEFAULT_SAMPLE, Entry
+from onnx_moe_fuse.samples.layers import build_layer
+from onnx_moe_fuse.samples.qkv import QKV_CATALOG, QkvEntry, build_qkv
 
 __all__ = [
     "Sample",

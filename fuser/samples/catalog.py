@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ._layers import Activation, LayerSpec, Routing, Spelling, Weights
+from onnx_moe_fuse.samples.layers import Activation, LayerSpec, Routing, Spelling, Weights
 
 __all__ = ["Entry", "CATALOG", "DEFAULT_SAMPLE"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from .handwritten_dense import (
+from onnx_moe_fuse.samples.handwritten_dense import (
     QWEN3_30B_A3B,
     QWEN3_SMALL,
     Qwen3Sizes,
@@ -34,15 +34,15 @@ from .handwritten_dense import (
     dense_onehot,
     qwen3_int4,
 )
-from .handwritten_graph import Fused, HandwrittenLayer, Refused
-from .handwritten_routers import (
+from onnx_moe_fuse.samples.handwritten_graph import Fused, HandwrittenLayer, Refused
+from onnx_moe_fuse.samples.handwritten_routers import (
     deepseek_v3,
     llama4_prescaled,
     phimoe_sparse_mixer,
     sigmoid_topk,
     softmax_scaled,
 )
-from .handwritten_sparse import (
+from onnx_moe_fuse.samples.handwritten_sparse import (
     batched_matmul_combine,
     dq_zero_points,
     einsum_experts,

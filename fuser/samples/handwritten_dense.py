@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from .handwritten_graph import Fused, Graph, HandwrittenLayer, normal, quantize_blocked
+from onnx_moe_fuse.samples.handwritten_graph import (
+    Fused,
+    Graph,
+    HandwrittenLayer,
+    normal,
+    quantize_blocked,
+)
 
 __all__ = [
     "Qwen3Sizes",

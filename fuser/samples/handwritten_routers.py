@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .handwritten_graph import Graph, HandwrittenLayer, Refused, normal
+from onnx_moe_fuse.samples.handwritten_graph import Graph, HandwrittenLayer, Refused, normal
 
 __all__ = [
     "sigmoid_topk",

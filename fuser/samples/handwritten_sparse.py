@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .handwritten_graph import Fused, Graph, HandwrittenLayer, normal, quantize_blocked
+from onnx_moe_fuse.samples.handwritten_graph import (
+    Fused,
+    Graph,
+    HandwrittenLayer,
+    normal,
+    quantize_blocked,
+)
 
 __all__ = [
     "grouped_matmul_body",

@@ -33,8 +33,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from ..oracles.quant import pack_bits, pack_matmul_nbits
-from ._text import GraphText
+from onnx_moe_fuse.samples.text_form import GraphText
+from onnx_moe_fuse.verify.oracles.quant import pack_bits, pack_matmul_nbits
 
 __all__ = [
     "NORMS",

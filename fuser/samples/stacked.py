@@ -3,7 +3,7 @@
 ``x_{i+1} = x_i + layer_i(x_i)``: each layer is the sample generator's Gather/Expand/MatMul
 decomposition behind blocked ``DequantizeLinear`` (int4, block 32, SwiGLU, softmax top-k
 renormalised), with its own weights (seeded by ``seed_key`` and the layer index), its names
-prefixed ``l<i>/``. ``benchmarks/bench_memory.py`` and ``tests/test_streaming.py`` build their
+prefixed ``l<i>/``. ``benchmarks/bench_memory.py`` and ``tests/io/test_streaming.py`` build their
 models here: the fuser's peak memory on 1, 2, 4, ... layers shows whether it grows with the model.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from ._layers import LayerSpec, build_layer
+from onnx_moe_fuse.samples.layers import LayerSpec, build_layer
 
 __all__ = ["stacked_moe_model"]
 

@@ -2,7 +2,7 @@
 
 They run on a *working copy* of the model (``onnx_ir.Model.clone()``, which shares the weight
 tensors), never on the model the user gave: the layer rules recognise and fuse there, and the
-fused nodes are spliced into the original graph afterwards (``onnx_moe_fuse.splice``), so a layer
+fused nodes are spliced into the original graph afterwards (``onnx_moe_fuse.pipeline.splice``), so a layer
 that does not fuse comes out exactly as it went in, whatever canonicalisation did to its copy.
 
 Each pass is one ``onnx_ir.passes.InPlacePass`` in its own module, semantics-preserving, and keeps
@@ -25,13 +25,19 @@ def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
 
     Layer forms come last: they read the parts in the spellings the earlier passes produce.
     """
-    from .dense_experts import CanonicalDenseExpertsPass
-    from .fold_shapes import FoldShapesPass
-    from .fold_weight_layout import FoldWeightLayoutPass
-    from .loop_experts import CanonicalExpertLoopPass
-    from .slots import CanonicalSlotsPass
-    from .sorted_experts import CanonicalSortedExpertsPass
-    from .spellings import NormalizeSpellingsPass
+    from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import (
+        CanonicalDenseExpertsPass,
+    )
+    from onnx_moe_fuse.rewrites.canonical.experts.loops.expert_loop import CanonicalExpertLoopPass
+    from onnx_moe_fuse.rewrites.canonical.experts.slots.canonical_slots import CanonicalSlotsPass
+    from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import (
+        CanonicalSortedExpertsPass,
+    )
+    from onnx_moe_fuse.rewrites.canonical.shapes.fold_shapes import FoldShapesPass
+    from onnx_moe_fuse.rewrites.canonical.spellings.normalize_spellings import (
+        NormalizeSpellingsPass,
+    )
+    from onnx_moe_fuse.rewrites.canonical.weights.fold_weight_layout import FoldWeightLayoutPass
 
     return [
         FoldShapesPass(),

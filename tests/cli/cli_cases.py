@@ -21,7 +21,7 @@ import onnx
 from hypothesis import HealthCheck, Phase, settings
 
 from onnx_moe_fuse.cli import main
-from onnx_moe_fuse.model_io import load_model
+from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.samples import get_sample
 
 #: A small quantized sample that fuses (QMoE) in about 0.15 s.

@@ -25,9 +25,9 @@ from cli_cases import (
 
 from onnx_moe_fuse import api, streaming_io
 from onnx_moe_fuse.cli import EXIT_INTERNAL, EXIT_NO_ADAPTER, EXIT_USAGE, parse_seeds
+from onnx_moe_fuse.contract import targets as ort_contract
 from onnx_moe_fuse.errors import OptionError
 from onnx_moe_fuse.kernels import device as device_module
-from onnx_moe_fuse.rewrites import ort_contract
 
 
 @pytest.mark.parametrize(

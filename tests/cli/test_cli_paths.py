@@ -18,7 +18,8 @@ import onnx
 import pytest
 from cli_cases import SMALL, SMALL_FLOAT, assert_refused, run_cli, save_sample, snapshot
 
-from onnx_moe_fuse import model_io, output_paths, streaming_io
+from onnx_moe_fuse import streaming_io
+from onnx_moe_fuse.io import model_io, output_paths
 
 
 @pytest.fixture

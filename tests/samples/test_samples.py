@@ -18,8 +18,6 @@ import onnx.numpy_helper
 import pytest
 from helpers import env_seed, expert_operands, initializer, nonzero_rel_err
 
-from onnx_moe_fuse.ort_nodes import session
-from onnx_moe_fuse.reference import random_feeds, reference_evaluator, run_reference
 from onnx_moe_fuse.samples import (
     DEFAULT_SAMPLE,
     Sample,
@@ -28,7 +26,9 @@ from onnx_moe_fuse.samples import (
     get_sample,
     sample_names,
 )
-from onnx_moe_fuse.samples._text import GraphText
+from onnx_moe_fuse.samples.text_form import GraphText
+from onnx_moe_fuse.verify.ort_nodes import session
+from onnx_moe_fuse.verify.reference import random_feeds, reference_evaluator, run_reference
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-4

@@ -1,4 +1,4 @@
-"""Tests of the equivalence checker (``onnx_moe_fuse.verify``).
+"""Tests of the equivalence checker (``onnx_moe_fuse.verify.checker``).
 
 Fused models are built by hand from a sample's weights (router MatMul + one MoE/QMoE node, the
 sample's interface kept), the way ``tests/samples/test_samples.py`` builds one-node models. A
@@ -20,15 +20,15 @@ from helpers import expert_operands, initializer
 from onnx import helper, numpy_helper
 
 from onnx_moe_fuse.kernels.runtime import get_kernel
-from onnx_moe_fuse.oracles.quant import quantize_symmetric
-from onnx_moe_fuse.ort_nodes import make_model
 from onnx_moe_fuse.samples import Sample, get_sample
-from onnx_moe_fuse.verify import (
+from onnx_moe_fuse.verify.checker import (
     ORT_INT8_ACTIVATION_RTOL,
     VerificationError,
     ort_unsupported_reason,
     verify,
 )
+from onnx_moe_fuse.verify.oracles.quant import quantize_symmetric
+from onnx_moe_fuse.verify.ort_nodes import make_model
 
 _MS = "com.microsoft"
 
@@ -254,7 +254,7 @@ def test_bad_arguments() -> None:
 
 def test_missing_kernel_package_skips_wgpu_with_reason(monkeypatch, rng) -> None:
     """While kernels/qmoe is not installed, the wgpu path is skipped and says so; ORT runs."""
-    from onnx_moe_fuse import evaluator
+    from onnx_moe_fuse.verify.checker import evaluator
 
     real = evaluator.get_kernel
 
@@ -292,7 +292,7 @@ def test_ort_is_skipped_where_it_has_no_cpu_kernel() -> None:
 
 def _with_matmul_nbits(sample: Sample, rng: np.random.Generator) -> onnx.ModelProto:
     """``sample``'s layer, then ``z = MatMulNBits(y)`` (what ORT's MatMulNBitsQuantizer writes)."""
-    from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
+    from onnx_moe_fuse.verify.oracles.quant import quantize_matmul_nbits
 
     model = onnx.ModelProto()
     model.CopyFrom(sample.model)
@@ -326,7 +326,7 @@ def _with_matmul_nbits(sample: Sample, rng: np.random.Generator) -> onnx.ModelPr
 
 def test_a_model_with_unfused_matmul_nbits_verifies_on_every_path(device, rng, tmp_path):
     from onnx_moe_fuse.cli import main
-    from onnx_moe_fuse.passes import FusionReport, fusion_pipeline
+    from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 
     original = _with_matmul_nbits(get_sample("mixtral_dec_int4b32"), rng)
     model = onnx_ir.serde.deserialize_model(original)
@@ -345,7 +345,7 @@ def test_a_model_with_unfused_matmul_nbits_verifies_on_every_path(device, rng, t
 
 def test_random_inputs_over_the_limit_are_refused_before_they_are_made():
     from onnx_moe_fuse.errors import MoEFuseError
-    from onnx_moe_fuse.reference import MAX_FEED_BYTES, FeedTooLargeError, random_feeds
+    from onnx_moe_fuse.verify.reference import MAX_FEED_BYTES, FeedTooLargeError, random_feeds
 
     x = helper.make_tensor_value_info("tokens", onnx.TensorProto.FLOAT, [100_000_000, 64])
     y = helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [100_000_000, 64])

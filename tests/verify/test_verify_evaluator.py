@@ -1,4 +1,4 @@
-"""Tests of the wgpu evaluator (``onnx_moe_fuse.evaluator``).
+"""Tests of the wgpu evaluator (``onnx_moe_fuse.verify.evaluator``).
 
 GroupedMatMul sample models run on the WebGPU GroupedMatMul kernel and must match the reference
 path; nodes the kernels cannot take are refused with errors naming the node and the input; a
@@ -13,8 +13,9 @@ import pytest
 from helpers import nonzero_rel_err
 from onnx import helper
 
-from onnx_moe_fuse import evaluator
-from onnx_moe_fuse.evaluator import (
+from onnx_moe_fuse.samples import get_sample
+from onnx_moe_fuse.verify.checker import evaluator
+from onnx_moe_fuse.verify.evaluator import (
     MATMUL_NBITS_QKV,
     QMOE,
     KernelNodeError,
@@ -24,10 +25,9 @@ from onnx_moe_fuse.evaluator import (
     missing_kernel_packages,
     run_wgpu,
 )
-from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits_qkv
-from onnx_moe_fuse.oracles.quant import quantize_matmul_nbits
-from onnx_moe_fuse.reference import random_feeds, run_reference
-from onnx_moe_fuse.samples import get_sample
+from onnx_moe_fuse.verify.oracles.matmul_nbits_qkv import matmul_nbits_qkv
+from onnx_moe_fuse.verify.oracles.quant import quantize_matmul_nbits
+from onnx_moe_fuse.verify.reference import random_feeds, run_reference
 
 RTOL = 1e-4
 # The input bind keys of a QMoE manifest that implements no FC3, zero points or router weights.
@@ -263,8 +263,8 @@ def test_unfused_com_microsoft_ops_run_on_the_wgpu_path_as_on_the_reference(rng)
     No device is needed: the model holds no kernel op. Checked against the oracles (independent
     numpy code) and against the reference path.
     """
-    from onnx_moe_fuse.oracles.matmul_nbits_qkv import matmul_nbits, rms_norm
-    from onnx_moe_fuse.ort_nodes import make_model
+    from onnx_moe_fuse.verify.oracles.matmul_nbits_qkv import matmul_nbits, rms_norm
+    from onnx_moe_fuse.verify.ort_nodes import make_model
 
     assert {c.__name__ for c in evaluator.REFERENCE_OP_CLASSES} == {
         "MatMulNBits",

@@ -13,7 +13,7 @@ import pytest
 
 from onnx_moe_fuse import fuse
 from onnx_moe_fuse.samples import all_samples
-from onnx_moe_fuse.verify import verify
+from onnx_moe_fuse.verify.checker import verify
 
 SAMPLES = all_samples(kind="all")
 FUSING = [s for s in SAMPLES if s.expected]

@@ -1,0 +1,254 @@
+"""The com.microsoft op contract of each ONNX Runtime package the fuser can target.
+
+No single node serves every ONNX Runtime: onnxruntime-webgpu 1.27 rejects a QMoE node that
+carries ``weights_prepacked`` or ``accuracy_level`` ("Unrecognized attribute"), while ORT's CUDA
+QMoE reads an absent ``weights_prepacked`` as -1 (CUTLASS-prepacked weights) and so needs
+``weights_prepacked=0`` for the raw ``[E, N, K/pack]`` layout the fuser writes. And the packages
+have kernels for different ops: ORT CPU has no MatMulNBitsQkv, onnxruntime-webgpu 1.27 no float
+MoE. This module is the one home of those facts, as data (:data:`CONTRACTS`) and three small
+functions:
+
+* :func:`ops_for`: the fused ops a target has kernels for;
+* :func:`refusal`: why a fused node cannot go to a target (op, activation or activation dtype
+  it lacks), in plain words with the alternative, or None;
+* :func:`node_attributes`: the attribute set a fused node carries for a target, from the
+  semantic attributes a rule computed (:data:`SEMANTIC_ATTRIBUTES`).
+
+Sources, read or measured 2026-12-01 (``docs/targets.md`` has the tables):
+
+* ``ort-cpu``, ORT 1.32.0 CPU (measured here: its schema lists ``accuracy_level`` (default 0),
+  ``weights_prepacked`` (default -1), ``quant_type`` (default "int") and ``swiglu_limit`` for
+  QMoE; MoE and QMoE run relu, gelu, silu, identity and swiglu in float32 and float16;
+  MatMulNBitsQkv is in the schema list but has no CPU kernel: NOT_IMPLEMENTED).
+* ``ort-cuda``, ONNX Runtime's CUDA provider, from microsoft/onnxruntime (no CUDA here):
+  ``docs/contrib_ops/cuda/moe_qmoe.md`` section 2.1 (QMoE attributes: ``weights_prepacked``
+  tri-state, -1 default = already prepacked for CUTLASS, 0 = raw ``[E, N, K/pack]`` tensors that
+  PrePack transforms; activation_type one of relu, gelu, silu, swiglu, identity) and
+  ``onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc`` (registers MoE for float, MLFloat16
+  and BFloat16, QMoE for MLFloat16 and BFloat16 only, and no MatMulNBitsQkv). The attribute
+  names are pinned by ``tests/contract/ort_schema_facts.json``. ``weights_prepacked`` is in ORT
+  1.32's schema but not in 1.27's: a CUDA package older than the one that added it rejects it.
+* ``ort-webgpu``, onnxruntime-webgpu 1.27.0 (measured here with its CPU provider, which checks
+  the same schema, and on an H200 with its WebGPU provider): QMoE schema without
+  ``weights_prepacked`` and ``accuracy_level``; its WebGPU QMoE kernel runs swiglu only; no
+  WebGPU MoE kernel ("webgpu kernel not found in registries for Op type: MoE"); MatMulNBitsQkv
+  runs (its schema has ``accuracy_level``, default 0).
+
+``swiglu_limit`` is in every target's schema (1.27 and 1.32; absent means +inf), so every
+target gets it, +inf when the layer does not clamp. ``swiglu_limit_after_activation`` (new in ORT
+1.32, default 0 = clamp before the activation, the meaning the rules prove) is not written: a
+pre-1.32 build would reject it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CONTRACTS",
+    "DEFAULT_TARGET",
+    "MAX_OPSET",
+    "SEMANTIC_ATTRIBUTES",
+    "TARGETS",
+    "OpContract",
+    "attribute_names",
+    "check_target",
+    "max_opset",
+    "node_attributes",
+    "ops_for",
+    "refusal",
+]
+
+#: The runtimes a fused model can be written for.
+TARGETS: tuple[str, ...] = ("ort-cpu", "ort-cuda", "ort-webgpu")
+#: The target when none is given.
+DEFAULT_TARGET = "ort-cpu"
+
+_MOE_SEMANTIC = frozenset(
+    {
+        "k",
+        "activation_type",
+        "normalize_routing_weights",
+        "use_sparse_mixer",
+        "swiglu_fusion",
+        "activation_alpha",
+        "activation_beta",
+        "swiglu_limit",
+    }
+)
+#: The attributes a rule computes for each fused op (what the node means, on any target).
+SEMANTIC_ATTRIBUTES: dict[str, frozenset[str]] = {
+    "MoE": _MOE_SEMANTIC,
+    "QMoE": _MOE_SEMANTIC | {"expert_weight_bits", "block_size"},
+    "MatMulNBitsQkv": frozenset({"K", "Nq", "Nkv", "bits", "block_size", "epsilon"}),
+}
+
+_ALL_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+
+
+@dataclass(frozen=True)
+class OpContract:
+    """What one target's kernel for one fused op takes, and the attributes its node carries.
+
+    ``activations``: the ``activation_type`` values the kernel runs (None: the op has none);
+    ``dtypes``: the activation (input 0) dtypes it has a kernel for; ``fixed``: attributes the
+    target needs written with these values; ``omitted``: attributes its schema rejects;
+    ``source``: where the facts come from, in words.
+    """
+
+    activations: frozenset[str] | None
+    dtypes: frozenset[str]
+    source: str
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    omitted: frozenset[str] = frozenset()
+
+
+_CPU = "ORT 1.32 CPU (measured)"
+_CUDA = "ORT CUDA (docs/contrib_ops/cuda/moe_qmoe.md, cuda_contrib_kernels.cc)"
+_WEBGPU = "onnxruntime-webgpu 1.27 (measured)"
+
+#: ``{target: {op: OpContract}}``; an op missing from a target has no kernel there.
+CONTRACTS: dict[str, dict[str, OpContract]] = {
+    "ort-cpu": {
+        "MoE": OpContract(_ALL_ACTIVATIONS, frozenset({"float32", "float16"}), _CPU),
+        "QMoE": OpContract(
+            _ALL_ACTIVATIONS,
+            frozenset({"float32", "float16"}),
+            _CPU,
+            # accuracy_level 0: no int8 activations (4 quantises them, about 1 % off)
+            fixed={"quant_type": "int", "weights_prepacked": 0, "accuracy_level": 0},
+        ),
+    },
+    "ort-cuda": {
+        "MoE": OpContract(_ALL_ACTIVATIONS, frozenset({"float32", "float16", "bfloat16"}), _CUDA),
+        "QMoE": OpContract(
+            _ALL_ACTIVATIONS,
+            frozenset({"float16", "bfloat16"}),
+            _CUDA,
+            # -1 (absent) means CUTLASS-prepacked on CUDA; the fuser writes raw [E, N, K/pack].
+            # accuracy_level is a CPU knob, not among the CUDA attributes (moe_qmoe.md 2.1).
+            fixed={"quant_type": "int", "weights_prepacked": 0},
+            omitted=frozenset({"accuracy_level"}),
+        ),
+    },
+    "ort-webgpu": {
+        "QMoE": OpContract(
+            frozenset({"swiglu"}),
+            frozenset({"float32", "float16"}),
+            _WEBGPU,
+            fixed={"quant_type": "int"},
+            omitted=frozenset({"weights_prepacked", "accuracy_level"}),
+        ),
+        "MatMulNBitsQkv": OpContract(
+            None, frozenset({"float32", "float16"}), _WEBGPU, fixed={"accuracy_level": 0}
+        ),
+    },
+}
+
+#: Why a target lacks an op, and what to do instead.
+_MISSING: dict[tuple[str, str], str] = {
+    ("ort-webgpu", "MoE"): (
+        "ort-webgpu has no float MoE kernel (onnxruntime-webgpu 1.27): quantize the experts to "
+        "fuse into QMoE, or target ort-cpu or ort-cuda"
+    ),
+    ("ort-cpu", "MatMulNBitsQkv"): (
+        "ort-cpu has no MatMulNBitsQkv kernel (ORT 1.32 CPU: NOT_IMPLEMENTED), so the norm and "
+        "its three MatMulNBits stay as they are (ORT CPU runs them): target ort-webgpu to fuse "
+        "them"
+    ),
+    ("ort-cuda", "MatMulNBitsQkv"): (
+        "ort-cuda has no MatMulNBitsQkv kernel (cuda_contrib_kernels.cc registers none), so the "
+        "norm and its three MatMulNBits stay as they are (ORT CUDA runs them): target "
+        "ort-webgpu to fuse them"
+    ),
+}
+
+
+#: The newest default-domain (ai.onnx) opset each target loads: ORT 1.32 loads 28 (measured);
+#: onnxruntime-webgpu 1.27 refuses more than 26 (measured: "Current official support for domain
+#: ai.onnx is till opset 26"); for CUDA the ORT release the CPU target is measured on.
+MAX_OPSET: dict[str, int] = {"ort-cpu": 28, "ort-cuda": 28, "ort-webgpu": 26}
+
+
+def max_opset(target: str) -> int:
+    """The newest default-domain opset ``target`` loads (:data:`MAX_OPSET`)."""
+    return MAX_OPSET[check_target(target)]
+
+
+def check_target(target: str) -> str:
+    """``target`` if it is one of :data:`TARGETS`; else ``ValueError`` naming the choices."""
+    if target not in CONTRACTS:
+        raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+    return target
+
+
+def ops_for(target: str) -> frozenset[str]:
+    """The fused ops ``target`` has kernels for."""
+    return frozenset(CONTRACTS[check_target(target)])
+
+
+def refusal(op: str, activation: str | None, target: str, dtype: str | None = None) -> str | None:
+    """Why a fused ``op`` node (its ``activation_type``, input-0 ``dtype``) cannot go to ``target``.
+
+    None when the target has a kernel for it. The reason names the target and the alternative.
+    """
+    contract = CONTRACTS[check_target(target)].get(op)
+    if contract is None:
+        return _MISSING.get(
+            (target, op), f"{target} has no {op} kernel: target one of {', '.join(TARGETS)}"
+        )
+    if contract.activations is not None and activation not in contract.activations:
+        others = [t for t in TARGETS if t != target and _takes(t, op, activation)]
+        return (
+            f"{target}'s {op} kernel runs activation_type "
+            f"{' or '.join(sorted(contract.activations))} only ({contract.source}); this layer's "
+            f"is {activation}" + (f": target {' or '.join(others)}" if others else "")
+        )
+    if dtype is not None and dtype not in contract.dtypes:
+        others = [t for t in TARGETS if t != target and _takes(t, op, activation, dtype)]
+        return (
+            f"{target} has no {dtype} {op} kernel ({contract.source}: "
+            f"{', '.join(sorted(contract.dtypes))} only); this layer computes in {dtype}"
+            + (f": target {' or '.join(others)}" if others else "")
+        )
+    return None
+
+
+def _takes(target: str, op: str, activation: str | None, dtype: str | None = None) -> bool:
+    contract = CONTRACTS[target].get(op)
+    if contract is None:
+        return False
+    if contract.activations is not None and activation not in contract.activations:
+        return False
+    return dtype is None or dtype in contract.dtypes
+
+
+def attribute_names(op: str, target: str) -> frozenset[str]:
+    """Every attribute a fused ``op`` node carries on ``target`` (``KeyError``: no kernel)."""
+    contract = CONTRACTS[check_target(target)][op]
+    return (SEMANTIC_ATTRIBUTES[op] | set(contract.fixed)) - contract.omitted
+
+
+def node_attributes(op: str, attrs: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """The attributes a fused ``op`` node carries on ``target``, from a rule's ``attrs``.
+
+    ``attrs`` must hold every semantic attribute (:data:`SEMANTIC_ATTRIBUTES`; ``swiglu_limit``
+    may be left out when there is no clamp: it becomes +inf). Attributes the target's schema
+    rejects are dropped, the ones it needs with fixed values are set. ``KeyError`` when the
+    target has no kernel for ``op`` (ask :func:`refusal` first); ``ValueError`` when a
+    semantic attribute is missing.
+    """
+    contract = CONTRACTS[check_target(target)][op]
+    out = dict(attrs)
+    if "swiglu_limit" in SEMANTIC_ATTRIBUTES[op]:
+        out.setdefault("swiglu_limit", math.inf)
+    missing = SEMANTIC_ATTRIBUTES[op] - set(out)
+    if missing:
+        raise ValueError(f"a fused {op} node needs the attributes {sorted(missing)}")
+    out.update(contract.fixed)
+    for name in contract.omitted:
+        out.pop(name, None)
+    return out

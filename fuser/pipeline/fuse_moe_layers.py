@@ -1,0 +1,289 @@
+"""The MoE layer pass: canonicalise a working copy, fuse there, splice each proved layer into the model.
+
+The target's contract is applied at emission, just before a MoE/QMoE node is spliced; a node
+the target cannot run becomes a near miss of part ``target``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.pipeline.canonicalise import canonicalise
+from onnx_moe_fuse.pipeline.common import (
+    ALL_FUSED_OPS,
+    _attr_value,
+    _fused_nodes,
+    _label,
+    _rule_name,
+)
+from onnx_moe_fuse.pipeline.near_misses import (
+    GENERIC_UNRECOGNISED,
+    NearMissTracer,
+    _recognised_dense,
+    _unrecognised_reason,
+)
+from onnx_moe_fuse.pipeline.report import (
+    FusionReport,
+    _near_miss,
+    _split_part,
+)
+from onnx_moe_fuse.pipeline.splice import SpliceRefusal, origin_tail, splice_fused_node, tag_origin
+from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
+from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
+from onnx_moe_fuse.rewrites.moe.layer_rules import (
+    FUSED_OPS,
+    REPLACED_KEY,
+    moe_layer_rule_set,
+)
+from onnx_moe_fuse.rewrites.moe.routers import classify_router
+from onnx_moe_fuse.rewrites.moe.rule_base import LAYER_OUT_KEY, TOPK_KEY
+
+
+def _emitted(only: Iterable[str] | None) -> frozenset[str]:
+    """The ops ``only`` names (default: every op); ``ValueError`` for an unknown one."""
+    emit = ALL_FUSED_OPS if only is None else frozenset(only)
+    if not emit <= ALL_FUSED_OPS:
+        raise ValueError(f"only must name ops among {sorted(ALL_FUSED_OPS)}, got {sorted(emit)}")
+    return emit
+
+
+_RESHAPES = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
+
+
+def _activation_dtype(node: ir.Node) -> str | None:
+    """``"float32"``, ``"float16"``, ...: the element type of the fused node's activations.
+
+    Input 0 (the tokens) and output 0 share it. A value the rule made (its Reshape of rank-3
+    tokens) may not carry its type: then the value it reshapes is read.
+    """
+    for value in (*node.inputs[:1], *node.outputs[:1]):
+        for _ in range(4):
+            if value is None:
+                break
+            if value.dtype is not None:
+                return str(value.dtype.numpy())
+            producer = value.producer()
+            if producer is None or producer.op_type not in _RESHAPES or not producer.inputs:
+                break
+            value = producer.inputs[0]
+    return None
+
+
+def _target_refusal(node: ir.Node, target: str) -> str | None:
+    """Why the fused ``node`` cannot be written for ``target`` (ort_contract's words), or None."""
+    activation = node.attributes.get("activation_type")
+    return ort_contract.refusal(
+        node.op_type,
+        activation.value if activation is not None else None,
+        target,
+        _activation_dtype(node),
+    )
+
+
+def _producer_of(graph: ir.Graph, name: str | None) -> ir.Node | None:
+    """The node of ``graph`` whose first output is named ``name``."""
+    if not name:
+        return None
+    return next((n for n in graph if n.outputs and n.outputs[0].name == name), None)
+
+
+def _apply_target_attributes(node: ir.Node, target: str) -> None:
+    """Give the fused ``node`` the attribute set ``target`` takes (ort_contract)."""
+    attrs = ort_contract.node_attributes(
+        node.op_type, {k: _attr_value(a) for k, a in node.attributes.items()}, target
+    )
+    node.attributes.clear()
+    for attr in ir.convenience.convert_attributes(attrs):
+        node.attributes[attr.name] = attr
+
+
+class FuseMoELayersPass(ir.passes.InPlacePass):
+    """Rewrite every provable MoE layer into ``com.microsoft.MoE`` / ``QMoE``.
+
+    ``only`` restricts the ops emitted (``{"MoE"}``, ``{"QMoE"}``; default both), ``target``
+    the runtime they are written for: a layer whose op, activation or dtype the target has no
+    kernel for stays as it is and becomes a near miss of part ``target``
+    (:func:`onnx_moe_fuse.contract.targets.refusal`); a fused node gets the target's
+    attribute set (:func:`~onnx_moe_fuse.contract.targets.node_attributes`) before it is
+    spliced. The fusions and near misses are appended to ``report`` (a :class:`FusionReport`,
+    shared with the caller).
+    """
+
+    def __init__(
+        self,
+        report: FusionReport | None = None,
+        only: Iterable[str] | None = None,
+        target: str = ort_contract.DEFAULT_TARGET,
+        weight_sink: WeightSink | None = None,
+    ):
+        """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
+        super().__init__()
+        self.weight_sink = weight_sink
+        self.emit = _emitted(only) & FUSED_OPS
+        self.target = ort_contract.check_target(target)
+        self.report = report if report is not None else FusionReport()
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Canonicalise a working copy, fuse there, splice into ``model``; fill the report."""
+        if not self.emit:
+            return ir.passes.PassResult(model, modified=False)
+        # the working copy shares tensor objects with the model; some onnx-ir helpers rename a
+        # tensor they read (get_const_tensor names a Constant's tensor after its value), so the
+        # names are put back afterwards and the model's bytes outside fused layers stay the same
+        tensor_names = _shared_tensor_names(model.graph)
+        work = model.clone()
+        tag_origin(work.graph)
+        self.report.canonicalisation.extend(canonicalise(work))
+
+        tracer = NearMissTracer()
+        moe_layer_rule_set(self.emit, probe=True, splice=True).apply_to_model(work, tracer=tracer)
+        rules = moe_layer_rule_set(self.emit, splice=True, weight_sink=self.weight_sink)
+        rules.apply_to_model(work)
+
+        spliced = 0
+        fused_roots: set[str] = set()
+        fused_topks: set[str] = set()
+        for node in _fused_nodes(work.graph):
+            layer_out = node.metadata_props.get(LAYER_OUT_KEY, "")
+            fused_topks.add(node.metadata_props.get(TOPK_KEY, ""))
+            reason = _target_refusal(node, self.target)
+            if reason is not None:
+                self.report.near_misses.append(
+                    _near_miss(
+                        rule=_rule_name(node),
+                        part="target",
+                        node=layer_out,
+                        reason=reason,
+                        root=layer_out,
+                        topk=_label(_producer_of(work.graph, node.metadata_props.get(TOPK_KEY))),
+                        router=None,
+                        values=[],
+                    )
+                )
+                continue
+            _apply_target_attributes(node, self.target)
+            # the proved output, or a Reshape after it that the original has (a split moved out)
+            last, replaces = origin_tail(node, layer_out, model.graph)
+            try:
+                result = splice_fused_node(model, node, replaces, last=last)
+            except SpliceRefusal as refusal:
+                self.report.near_misses.append(
+                    _near_miss(
+                        rule=_rule_name(node),
+                        part="region",
+                        node=refusal.value or layer_out,
+                        reason=refusal.reason,
+                        root=layer_out,
+                        topk=None,
+                        router=None,
+                        values=[refusal.value] if refusal.value else [],
+                    )
+                )
+                continue
+            spliced += 1
+            fused_roots.add(layer_out or "")
+            self.report.fusions.append(
+                {
+                    "op": result.node.op_type,
+                    "name": result.node.name,
+                    "rule": _rule_name(result.node),
+                    "replaced": list(result.replaced),
+                    "kept": list(result.kept),
+                    "attributes": {k: _attr_value(a) for k, a in result.node.attributes.items()},
+                }
+            )
+            for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
+                result.node.metadata_props.pop(key, None)
+        self._near_misses(tracer, work, fused_roots, fused_topks)
+        for tensor, name in tensor_names:
+            if tensor.name != name:
+                tensor.name = name
+        return ir.passes.PassResult(model, modified=spliced > 0)
+
+    def _near_misses(
+        self, tracer: NearMissTracer, work: ir.Model, fused: set[str], fused_topks: set[str]
+    ) -> None:
+        """Record the refused matches of layers that did not fuse, and unmatched routers."""
+        seen: set[tuple[int, str]] = set()
+        explained: set[int] = set()
+        for a in tracer.attempts:
+            root_out = a.root.outputs[0].name if a.root.outputs else None
+            topk_out = a.topk.outputs[0].name if a.topk is not None else None
+            if a.root.graph is None or root_out in fused or topk_out in fused_topks:
+                continue  # the layer fused after all
+            key = (id(a.root), a.reason)
+            if key in seen:
+                continue
+            seen.add(key)
+            if a.topk is not None:
+                explained.add(id(a.topk))
+            part, reason = _split_part(a.reason)
+            self.report.near_misses.append(
+                _near_miss(
+                    rule=a.rule,
+                    part=part,
+                    node=a.values[0] if a.values else _label(a.root),
+                    reason=reason,
+                    root=_label(a.root),
+                    topk=_label(a.topk),
+                    router=_label(a.router),
+                    values=a.values,
+                )
+            )
+        routers: set[int] = set()
+        diagnosis: dict[str, str] | None = None  # made once, for the first split combine
+        for node in work.graph:
+            if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
+                continue
+            if node.outputs[0].name in fused_topks:
+                continue
+            reason = _unrecognised_reason(node)
+            dense = _recognised_dense(node, reason)
+            part = dense.part if dense is not None else None
+            if dense is not None:
+                reason = dense.reason  # the pass recognised the layer: its refusal names the part
+            elif reason == GENERIC_UNRECOGNISED:
+                if diagnosis is None:
+                    diagnosis = split_rows_diagnosis(work, self.emit)
+                behind = diagnosis.get(node.outputs[0].name or "")
+                if behind is not None:  # the split was not proved: the rules say what else
+                    part = _split_part(behind)[0] or "combine"
+                    reason = f"{SPLIT_UNPROVED}; with the split moved out, {behind}"
+            if reason is not None:
+                # the Softmax/Sigmoid of the router (before or after the TopK), else what it reads
+                router = classify_router(node).scores
+                if router is None and node.inputs and node.inputs[0] is not None:
+                    router = node.inputs[0].producer()
+                if reason.startswith("router not fusable") and id(router) in routers:
+                    continue  # one near miss per router: PhiMoE's two rounds read one router
+                routers.add(id(router))
+                self.report.near_misses.append(
+                    _near_miss(
+                        rule=None,
+                        part=part,
+                        node=dense.node if dense is not None else _label(node),
+                        reason=reason,
+                        root=None,
+                        topk=_label(node),
+                        router=_label(router),
+                        values=list(dense.values) if dense is not None else [],
+                    )
+                )
+
+
+def _shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
+    """Every initializer and Constant-attribute tensor of ``graph`` with its name now."""
+    out: list[tuple[Any, str | None]] = [
+        (v.const_value, v.const_value.name)
+        for v in graph.initializers.values()
+        if v.const_value is not None
+    ]
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
+                out.append((attr.value, attr.value.name))
+    return out

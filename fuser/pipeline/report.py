@@ -1,0 +1,86 @@
+"""The fusion report: what fused (op, rule, replaced and kept nodes, attributes), the near misses, the target.
+
+:class:`FusionReport` is a plain dataclass the passes fill and ``to_dict()`` makes JSON-ready;
+a near miss is ``{rule, part, node, reason, root, topk, router, values}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.pipeline.common import (
+    _attr_value,
+    _fused_nodes,
+    _rule_name,
+)
+from onnx_moe_fuse.rewrites.moe.analysis import PARTS
+from onnx_moe_fuse.rewrites.moe.layer_rules import (
+    REPLACED_KEY,
+)
+
+
+@dataclass
+class FusionReport:
+    """What a fusion run did: one entry per emitted node and one per near miss.
+
+    ``fusions``: ``{"op", "name", "rule", "replaced": [node names], "kept": [node names],
+    "attributes": {...}}``; ``kept`` names the nodes of the layer's region that stay because a
+    value they compute is also used outside the layer, upstream of the experts (a router Softmax
+    that is also a graph output).
+    ``near_misses``: ``{"rule", "part", "node", "reason", "root", "topk", "router", "values"}``:
+    ``part`` is the layer part at fault (one of ``tokens, routing, fc1, activation, fc2,
+    combine, weights, target, region``; None when no rule matched), ``node`` the node or value
+    the reason is about, ``root`` the node whose output the layer would have replaced (its
+    combine), ``topk`` and ``router`` the routing TopK and the Softmax/Sigmoid before it (None
+    when unknown), ``values`` every value or node the failing check names. Unnamed nodes are
+    written ``OpType(first output)``. Nodes are named as in the canonicalised working copy,
+    which keeps the model's names for every node it did not rewrite.
+    ``canonicalisation``: one line per canonicalisation pass that failed on the working copy
+    and was skipped (canonicalisation never changes the model itself).
+    ``target``: the runtime the fused nodes were written for (one of
+    :data:`onnx_moe_fuse.contract.targets.TARGETS`); a layer whose fused op that runtime
+    lacks is a near miss of part ``target``.
+    """
+
+    fusions: list[dict[str, Any]] = field(default_factory=list)
+    near_misses: list[dict[str, Any]] = field(default_factory=list)
+    canonicalisation: list[str] = field(default_factory=list)
+    target: str = ort_contract.DEFAULT_TARGET
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return asdict(self)
+
+
+def _split_part(reason: str) -> tuple[str | None, str]:
+    """``"fc2: the weights ..."`` -> ``("fc2", "the weights ...")`` (the rules' check prefix)."""
+    head, sep, rest = reason.partition(": ")
+    if sep and head in PARTS:
+        return head, rest
+    return None, reason
+
+
+def _near_miss(**fields: Any) -> dict[str, Any]:
+    """One near-miss record, keys in report order (see :class:`FusionReport`)."""
+    keys = ("rule", "part", "node", "reason", "root", "topk", "router", "values")
+    return {k: fields[k] for k in keys}
+
+
+def _report_fusions(graph: ir.Graph, report: FusionReport) -> None:
+    """Move each new fused node's replaced-nodes marker into a report entry."""
+    for node in _fused_nodes(graph):
+        replaced = json.loads(node.metadata_props.pop(REPLACED_KEY))
+        report.fusions.append(
+            {
+                "op": node.op_type,
+                "name": node.name,
+                "rule": _rule_name(node),
+                "replaced": replaced,
+                "attributes": {k: _attr_value(a) for k, a in node.attributes.items()},
+            }
+        )

@@ -1,0 +1,539 @@
+"""The wgpu evaluator: run a model with its fused nodes on the project's WebGPU kernels.
+
+:func:`run_wgpu` evaluates a model with ``onnx.reference.ReferenceEvaluator``; standard ops run
+there, and these ops run on the kernel packages of :mod:`onnx_moe_fuse.kernels`, called only
+through :func:`onnx_moe_fuse.kernels.runtime.get_kernel`:
+
+* ``GroupedMatMul`` (opset 29), package ``kernels/grouped_matmul``: input, weights,
+  group_indices, bias -> ``inputT, weightsT, groupIndicesT, biasT``; output ``outputT``.
+* ``com.microsoft.QMoE``, package ``kernels/qmoe``: 0 input, 1 router_probs, 2 fc1 weights,
+  3 fc1 scales, 4 fc1 bias, 5 fc2 weights, 6 fc2 scales, 7 fc2 bias -> ``inputT, routerT, fc1T,
+  fc1ScalesT, fc1BiasT, fc2T, fc2ScalesT, fc2BiasT``; output ``outputT``.
+* ``com.microsoft.MoE``, package ``kernels/moe``: 0 input, 1 router_probs, 2 fc1 weights, 3 fc1
+  bias, 4 fc2 weights, 5 fc2 bias, 6 fc3 weights, 7 fc3 bias -> ``inputT, routerT, fc1T,
+  fc1BiasT, fc2T, fc2BiasT, fc3T, fc3BiasT``; output ``outputT``.
+* ``com.microsoft.MatMulNBitsQkv``, package ``kernels/matmul_nbits_qkv``: A, skip, norm_scale,
+  q_B, q_scales, (q_bias), k_B, k_scales, (k_bias), v_B, v_scales, (v_bias) -> ``aT, skipT,
+  normScaleT, qBT, qScalesT, kBT, kScalesT, vBT, vScalesT``; outputs Q, K, V,
+  input_skip_bias_sum -> ``qT, kT, vT, residualT`` (the last requested only when the node
+  names output 3).
+
+Inputs are taken at ONNX Runtime's positions (an omitted optional input is ``""``). A present
+input is bound only when the kernel's manifest declares its bind key (QMoE's positions 8-14 map
+to ``fc3T, fc3ScalesT, fc3BiasT, fc1ZeroPointsT, fc2ZeroPointsT, fc3ZeroPointsT,
+routerWeightsT``; MatMulNBitsQkv's ``q_bias``/``k_bias``/``v_bias`` to ``qBiasT, kBiasT,
+vBiasT``); otherwise it is refused with :class:`UnsupportedNodeError` naming the node and the
+input, except zero points holding the symmetric point everywhere, which mean nothing and are
+dropped. Positions past the mapped ones (QMoE's FP4/FP8 extras, 15+) are always refused.
+Attributes are passed under their ONNX names; an attribute the kernel's manifest does not declare is dropped only when
+its value cannot change the result (``use_sparse_mixer=0``, ``quant_type="int"``, QMoE's
+``accuracy_level``, which only lets ONNX Runtime quantise activations, ...) and refused
+otherwise. ``swiglu_limit=inf`` and QMoE ``block_size=0`` mean "absent" in ONNX Runtime and are
+passed as absent. A call the kernel itself refuses (``KernelCallError``: dtype, shape, attribute
+value) is re-raised as :class:`KernelNodeError` naming the node, with each bind key in the
+message followed by the ONNX input it came from.
+
+A kernel package that is not installed yet raises :class:`KernelPackageMissingError` naming the
+op and the package folder; :func:`missing_kernel_packages` finds them all before a run.
+
+Every other com.microsoft op a model may hold outside its fused nodes runs in the reference
+path's numpy code (:data:`REFERENCE_OP_CLASSES`, from :mod:`onnx_moe_fuse.verify.reference`):
+``MatMulNBits`` (what ORT's ``MatMulNBitsQuantizer`` writes, and the projections a fused-for-CPU
+attention prelude keeps), ``SimplifiedLayerNormalization`` and
+``SkipSimplifiedLayerNormalization``. Plain ``onnx.reference`` does not know them, and the
+unfused parts of a model must compute the same on every path of the checker.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+from onnx_moe_fuse.kernels.planner import KernelCallError
+from onnx_moe_fuse.kernels.runtime import get_kernel
+from onnx_moe_fuse.verify.reference import CUSTOM_OPS as _REFERENCE_OPS
+
+__all__ = [
+    "KERNEL_OPS",
+    "KernelNodeError",
+    "KernelOpSpec",
+    "KernelPackageMissingError",
+    "REFERENCE_OP_CLASSES",
+    "UnsupportedNodeError",
+    "WgpuEvaluatorError",
+    "kernel_nodes",
+    "missing_kernel_packages",
+    "run_wgpu",
+    "wgpu_evaluator",
+]
+
+_MS = "com.microsoft"
+
+
+class WgpuEvaluatorError(Exception):
+    """Base class of the wgpu evaluator's errors."""
+
+
+class KernelPackageMissingError(WgpuEvaluatorError, LookupError):
+    """The kernel package for an op in the model is not installed."""
+
+    def __init__(self, op: str, package: str, detail: str) -> None:
+        """Record the op (``com.microsoft.QMoE``), its package folder and get_kernel's message."""
+        self.op = op
+        self.package = package
+        super().__init__(
+            f"the WebGPU kernel package for {op} is not installed (expected at {package}/ in "
+            f"onnx_moe_fuse.kernels): {detail}"
+        )
+
+
+class UnsupportedNodeError(WgpuEvaluatorError, ValueError):
+    """A node uses an input or attribute that its kernel package does not implement."""
+
+
+class KernelNodeError(WgpuEvaluatorError, ValueError):
+    """The kernel refused or failed a node's call (wrong dtype, shape, attribute value, ...)."""
+
+
+# -- op specifications ------------------------------------------------------------------------
+
+Attrs = Mapping[str, Any]
+#: ``(value, all node attributes) -> True`` when dropping the attribute changes nothing.
+NeutralCheck = Callable[[Any, Attrs], bool]
+#: ``(value, all node attributes) -> None`` to drop the input, or a refusal reason.
+InputCheck = Callable[[np.ndarray, Attrs], str | None]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One ONNX input position of a fused op."""
+
+    onnx_name: str
+    bind_key: str  # the kernel's name for it, used when the kernel's manifest declares it
+    what: str = ""  # what the kernel lacks when its manifest does not declare bind_key
+    droppable: InputCheck | None = None  # else: may a present value be dropped, not refused?
+
+
+@dataclass(frozen=True)
+class KernelOpSpec:
+    """How one ONNX op maps onto its kernel package."""
+
+    domain: str
+    op_type: str
+    package: str  # folder under kernels/
+    inputs: tuple[Slot, ...]
+    outputs: tuple[str, ...]  # bind key per ONNX output position
+    optional_outputs: frozenset[str] = frozenset()  # bind keys produced only when asked for
+    neutral_attributes: Mapping[str, NeutralCheck] = field(default_factory=dict)
+    absent_attributes: Mapping[str, NeutralCheck] = field(default_factory=dict)
+
+    @property
+    def qualified_name(self) -> str:
+        """``domain.op_type`` (just ``op_type`` in the default domain): get_kernel's name."""
+        return f"{self.domain}.{self.op_type}" if self.domain else self.op_type
+
+
+def _text(value: Any) -> Any:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _always(_value: Any, _attrs: Attrs) -> bool:
+    return True
+
+
+def _equals(*allowed: Any) -> NeutralCheck:
+    return lambda value, _attrs: _text(value) in allowed
+
+
+def _same_bits(value: Any, attrs: Attrs) -> bool:
+    return int(value) == int(attrs.get("expert_weight_bits", 4))
+
+
+def _infinite(value: Any, _attrs: Attrs) -> bool:
+    # ReferenceEvaluator hands float attributes over as numpy scalars, not Python floats.
+    return isinstance(value, (float, np.floating)) and math.isinf(float(value))
+
+
+def _not_positive(value: Any, _attrs: Attrs) -> bool:
+    return int(value) <= 0
+
+
+def _symmetric_zero_points(value: np.ndarray, attrs: Attrs) -> str | None:
+    bits = int(attrs.get("expert_weight_bits", 4))
+    symmetric = {4: 0x88, 8: 0x80}.get(bits)  # 4-bit: two packed codes of 8 per byte
+    if symmetric is not None and value.dtype == np.uint8 and np.all(value == symmetric):
+        return None
+    return (
+        f"explicit zero points other than the symmetric point {1 << (bits - 1)} (the kernel "
+        "implements symmetric weights only)"
+    )
+
+
+_QMOE_NEUTRAL: dict[str, NeutralCheck] = {
+    "accuracy_level": _always,  # lets ORT quantise activations; the kernel computes in float
+    "fc1_expert_weight_bits": _same_bits,
+    "fc2_expert_weight_bits": _same_bits,
+    "fc3_expert_weight_bits": _always,  # meaningless without FC3, bound or refused by itself
+    "quant_type": _equals("int"),
+    "swiglu_limit_after_activation": _equals(0),
+    "use_sparse_mixer": _equals(0),
+    "weights_prepacked": _equals(-1, 0),
+}
+
+_MOE_NEUTRAL: dict[str, NeutralCheck] = {
+    "swiglu_limit_after_activation": _equals(0),
+    "use_sparse_mixer": _equals(0),
+}
+
+GROUPED_MATMUL = KernelOpSpec(
+    domain="",
+    op_type="GroupedMatMul",
+    package="kernels/grouped_matmul",
+    inputs=(
+        Slot("input", "inputT"),
+        Slot("weights", "weightsT"),
+        Slot("group_indices", "groupIndicesT"),
+        Slot("bias", "biasT", "a bias"),
+    ),
+    outputs=("outputT",),
+)
+
+QMOE = KernelOpSpec(
+    domain=_MS,
+    op_type="QMoE",
+    package="kernels/qmoe",
+    inputs=(
+        Slot("input", "inputT"),
+        Slot("router_probs", "routerT"),
+        Slot("fc1_experts_weights", "fc1T"),
+        Slot("fc1_scales", "fc1ScalesT"),
+        Slot("fc1_experts_bias", "fc1BiasT", "an FC1 bias"),
+        Slot("fc2_experts_weights", "fc2T"),
+        Slot("fc2_scales", "fc2ScalesT"),
+        Slot("fc2_experts_bias", "fc2BiasT", "an FC2 bias"),
+        Slot("fc3_experts_weights", "fc3T", "FC3"),
+        Slot("fc3_scales", "fc3ScalesT", "FC3"),
+        Slot("fc3_experts_bias", "fc3BiasT", "FC3"),
+        Slot("fc1_zero_points", "fc1ZeroPointsT", droppable=_symmetric_zero_points),
+        Slot("fc2_zero_points", "fc2ZeroPointsT", droppable=_symmetric_zero_points),
+        Slot("fc3_zero_points", "fc3ZeroPointsT", droppable=_symmetric_zero_points),
+        Slot("router_weights", "routerWeightsT", "separate router weights"),
+    ),
+    outputs=("outputT",),
+    neutral_attributes=_QMOE_NEUTRAL,
+    absent_attributes={"swiglu_limit": _infinite, "block_size": _not_positive},
+)
+
+MOE = KernelOpSpec(
+    domain=_MS,
+    op_type="MoE",
+    package="kernels/moe",
+    inputs=(
+        Slot("input", "inputT"),
+        Slot("router_probs", "routerT"),
+        Slot("fc1_experts_weights", "fc1T"),
+        Slot("fc1_experts_bias", "fc1BiasT", "an FC1 bias"),
+        Slot("fc2_experts_weights", "fc2T"),
+        Slot("fc2_experts_bias", "fc2BiasT", "an FC2 bias"),
+        Slot("fc3_experts_weights", "fc3T", "FC3"),
+        Slot("fc3_experts_bias", "fc3BiasT", "an FC3 bias"),
+    ),
+    outputs=("outputT",),
+    neutral_attributes=_MOE_NEUTRAL,
+    absent_attributes={"swiglu_limit": _infinite},
+)
+
+MATMUL_NBITS_QKV = KernelOpSpec(
+    domain=_MS,
+    op_type="MatMulNBitsQkv",
+    package="kernels/matmul_nbits_qkv",
+    inputs=(
+        Slot("A", "aT"),
+        Slot("skip", "skipT", "a skip input"),
+        Slot("norm_scale", "normScaleT"),
+        Slot("q_B", "qBT"),
+        Slot("q_scales", "qScalesT"),
+        Slot("q_bias", "qBiasT", "a Q bias"),
+        Slot("k_B", "kBT"),
+        Slot("k_scales", "kScalesT"),
+        Slot("k_bias", "kBiasT", "a K bias"),
+        Slot("v_B", "vBT"),
+        Slot("v_scales", "vScalesT"),
+        Slot("v_bias", "vBiasT", "a V bias"),
+    ),
+    outputs=("qT", "kT", "vT", "residualT"),
+    optional_outputs=frozenset({"residualT"}),
+)
+
+#: The ops the wgpu evaluator runs on kernels, keyed by ``(domain, op_type)``.
+KERNEL_OPS: dict[tuple[str, str], KernelOpSpec] = {
+    (s.domain, s.op_type): s for s in (GROUPED_MATMUL, QMOE, MOE, MATMUL_NBITS_QKV)
+}
+
+
+# -- one node -----------------------------------------------------------------------------------
+
+
+def describe_node(node: onnx.NodeProto) -> str:
+    """``com.microsoft.QMoE node 'moe_0'`` (or the first output's name for an unnamed node)."""
+    op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+    if node.name:
+        return f"{op} node {node.name!r}"
+    first = next((o for o in node.output if o), "")
+    return f"{op} node (unnamed, producing {first!r})"
+
+
+def _slot_text(spec: KernelOpSpec, position: int, node: onnx.NodeProto) -> str:
+    onnx_name = spec.inputs[position].onnx_name if position < len(spec.inputs) else "?"
+    tensor = node.input[position] if position < len(node.input) else ""
+    return f"input {position} {onnx_name} (tensor {tensor!r})"
+
+
+def bind_node(
+    spec: KernelOpSpec,
+    node: onnx.NodeProto,
+    inputs: Sequence[Any],
+    attrs: Attrs,
+    declared_inputs: Collection[str],
+) -> tuple[dict[str, np.ndarray], dict[str, Any], list[str]]:
+    """Map a node's input values and attributes to the kernel's bind keys.
+
+    ``declared_inputs`` are the input bind keys of the kernel's manifest: an input whose bind
+    key it lacks is refused with :class:`UnsupportedNodeError` (or dropped, where the value
+    cannot matter, e.g. symmetric zero points). Returns ``(tensors, attributes, optional
+    outputs to request)``; attributes the manifest does not declare are filtered later.
+    """
+    where = describe_node(node)
+    tensors: dict[str, np.ndarray] = {}
+    for position, value in enumerate(inputs):
+        if value is None:
+            continue
+        if position >= len(spec.inputs):
+            raise UnsupportedNodeError(
+                f"{where}: input {position} (tensor {node.input[position]!r}) is beyond the "
+                f"{len(spec.inputs)} inputs the wgpu evaluator maps for {spec.qualified_name}; "
+                "the kernel does not implement it"
+            )
+        slot = spec.inputs[position]
+        array = np.asarray(value)
+        if slot.bind_key in declared_inputs:
+            tensors[slot.bind_key] = array
+            continue
+        reason = slot.what or f"input {slot.onnx_name}"
+        if slot.droppable is not None:
+            verdict = slot.droppable(array, attrs)
+            if verdict is None:
+                continue
+            reason = verdict
+        raise UnsupportedNodeError(
+            f"{where}: {_slot_text(spec, position, node)} is given, but the "
+            f"{spec.qualified_name} kernel does not implement {reason}"
+        )
+    wanted = [
+        spec.outputs[i]
+        for i, name in enumerate(node.output)
+        if name and i < len(spec.outputs) and spec.outputs[i] in spec.optional_outputs
+    ]
+    if len(node.output) > len(spec.outputs):
+        raise UnsupportedNodeError(
+            f"{where}: has {len(node.output)} outputs; the {spec.qualified_name} kernel "
+            f"produces {len(spec.outputs)}"
+        )
+    kept = {
+        name: _text(value)
+        for name, value in attrs.items()
+        if not (name in spec.absent_attributes and spec.absent_attributes[name](value, attrs))
+    }
+    return tensors, kept, wanted
+
+
+def _kernel_attributes(
+    spec: KernelOpSpec, node: onnx.NodeProto, attrs: Attrs, declared: Sequence[str]
+) -> dict[str, Any]:
+    """Keep the attributes the manifest declares; drop neutral ones; refuse the rest."""
+    kept: dict[str, Any] = {}
+    for name, value in attrs.items():
+        if name in declared:
+            kept[name] = value
+            continue
+        check = spec.neutral_attributes.get(name)
+        if check is not None and check(value, attrs):
+            continue
+        raise UnsupportedNodeError(
+            f"{describe_node(node)}: attribute {name}={value!r} is not implemented by the "
+            f"{spec.qualified_name} kernel (its manifest declares: {', '.join(declared) or 'none'})"
+        )
+    return kept
+
+
+def _explain_bind_keys(message: str, spec: KernelOpSpec, node: onnx.NodeProto) -> str:
+    """Follow each input bind key in a kernel message with the ONNX input it came from."""
+    names = {slot.bind_key: _slot_text(spec, i, node) for i, slot in enumerate(spec.inputs)}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    return pattern.sub(lambda m: f"{m.group(1)} [{names[m.group(1)]}]", message)
+
+
+def load_kernel(spec: KernelOpSpec) -> Any:
+    """The kernel for ``spec`` from get_kernel; :class:`KernelPackageMissingError` if absent."""
+    try:
+        return get_kernel(spec.qualified_name)
+    except KeyError as exc:
+        detail = exc.args[0] if exc.args else str(exc)
+        raise KernelPackageMissingError(spec.qualified_name, spec.package, str(detail)) from None
+
+
+def run_node(
+    spec: KernelOpSpec, node: onnx.NodeProto, inputs: Sequence[Any], attrs: Attrs
+) -> tuple[np.ndarray | None, ...]:
+    """Run one node on its kernel; return its outputs in the node's output order."""
+    kernel = load_kernel(spec)
+    declared_inputs = [t.bind_key for t in kernel.manifest.tensors.values() if t.io == "input"]
+    tensors, present_attrs, wanted = bind_node(spec, node, inputs, attrs, declared_inputs)
+    declared = list(kernel.manifest.attributes)
+    kernel_attrs = _kernel_attributes(spec, node, present_attrs, declared)
+    try:
+        result = kernel(attrs=kernel_attrs, optional_outputs=wanted, **tensors)
+    except KernelCallError as exc:
+        raise KernelNodeError(
+            f"{describe_node(node)}: the {spec.qualified_name} kernel refused the call: "
+            f"{_explain_bind_keys(str(exc), spec, node)}"
+        ) from exc
+    except ValueError as exc:  # e.g. an index the kernel flagged
+        raise KernelNodeError(
+            f"{describe_node(node)}: {_explain_bind_keys(str(exc), spec, node)}"
+        ) from exc
+    outputs = []
+    for i, name in enumerate(node.output):
+        outputs.append(result[spec.outputs[i]] if name else None)
+    return tuple(outputs)
+
+
+class _KernelOp(OpRun):
+    """An OpRun that sends its node to the kernel package of ``spec``."""
+
+    spec: ClassVar[KernelOpSpec]
+
+    def _run(self, *inputs: Any, **attrs: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        return run_node(self.spec, self.onnx_node, inputs, attrs)
+
+
+class GroupedMatMul(_KernelOp):
+    """ONNX ``GroupedMatMul`` (opset 29) on the ``kernels/grouped_matmul`` package."""
+
+    op_domain = ""
+    spec = GROUPED_MATMUL
+
+
+class QMoE(_KernelOp):
+    """``com.microsoft.QMoE`` on the ``kernels/qmoe`` package."""
+
+    op_domain = _MS
+    spec = QMOE
+
+
+class MoE(_KernelOp):
+    """``com.microsoft.MoE`` on the ``kernels/moe`` package."""
+
+    op_domain = _MS
+    spec = MOE
+
+
+class MatMulNBitsQkv(_KernelOp):
+    """``com.microsoft.MatMulNBitsQkv`` on the ``kernels/matmul_nbits_qkv`` package."""
+
+    op_domain = _MS
+    spec = MATMUL_NBITS_QKV
+
+
+KERNEL_OP_CLASSES: tuple[type[OpRun], ...] = (GroupedMatMul, QMoE, MoE, MatMulNBitsQkv)
+#: The reference path's OpRun classes for the ops no kernel package runs (see the module
+#: docstring); the wgpu evaluator installs them next to :data:`KERNEL_OP_CLASSES`.
+REFERENCE_OP_CLASSES: tuple[type[OpRun], ...] = tuple(
+    cls for cls in _REFERENCE_OPS if (cls.op_domain, cls.__name__) not in KERNEL_OPS
+)
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+def _graph_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graph_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _graph_nodes(g)
+
+
+def iter_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the model: main graph, subgraphs and model-local functions."""
+    yield from _graph_nodes(model.graph)
+    for function in model.functions:
+        yield from function.node
+
+
+def kernel_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes that the wgpu evaluator runs on kernels."""
+    return [n for n in iter_nodes(model) if (n.domain, n.op_type) in KERNEL_OPS]
+
+
+def missing_kernel_packages(model: onnx.ModelProto) -> dict[str, str]:
+    """``{op: message}`` for every kernel op in ``model`` whose package is not installed."""
+    missing: dict[str, str] = {}
+    for node in kernel_nodes(model):
+        spec = KERNEL_OPS[(node.domain, node.op_type)]
+        if spec.qualified_name in missing:
+            continue
+        try:
+            load_kernel(spec)
+        except KernelPackageMissingError as exc:
+            missing[spec.qualified_name] = str(exc)
+    return missing
+
+
+def wgpu_evaluator(
+    model: onnx.ModelProto | str | os.PathLike[str], *, check_shapes: bool = False
+) -> ReferenceEvaluator:
+    """A ReferenceEvaluator whose GroupedMatMul, QMoE, MoE and MatMulNBitsQkv run on wgpu.
+
+    The other com.microsoft ops run in the reference path's numpy code
+    (:data:`REFERENCE_OP_CLASSES`). ``check_shapes`` checks every computed value against its
+    declared type and shape.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        model = os.fspath(model)
+    return ReferenceEvaluator(
+        model,
+        new_ops=[*KERNEL_OP_CLASSES, *REFERENCE_OP_CLASSES],
+        check_shape_annotations=check_shapes,
+    )
+
+
+def run_wgpu(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    feeds: Mapping[str, np.ndarray],
+    *,
+    outputs: Sequence[str] | None = None,
+    check_shapes: bool = False,
+) -> dict[str, np.ndarray]:
+    """Run ``model`` on ``feeds`` with its fused nodes on the WebGPU kernels.
+
+    Returns ``{output name: array}`` for ``outputs`` (default: every graph output). Raises
+    :class:`KernelPackageMissingError`, :class:`UnsupportedNodeError` or
+    :class:`KernelNodeError` (all :class:`WgpuEvaluatorError`) naming the node at fault.
+    """
+    ev = wgpu_evaluator(model, check_shapes=check_shapes)
+    names = list(outputs) if outputs is not None else list(ev.output_names)
+    results = ev.run(names, dict(feeds))
+    return dict(zip(names, results, strict=True))

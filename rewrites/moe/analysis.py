@@ -1,0 +1,514 @@
+"""The proofs behind the MoE layer rules: from recognised parts to a :class:`LayerPlan`.
+
+:func:`analyse_layer` reads the values the part recognisers bound (``parts.LayerParts.bindings``)
+and proves, step by step, that one ``com.microsoft.MoE`` or ``QMoE`` node computes exactly what
+the recognised layer computes. Every step either adds facts to the plan or raises a
+:class:`~.parts.facts.PartFailure` (the one failure type, :func:`refuse`) with a plain-words
+reason that names the value or node at fault and, through :func:`part`, the layer part (these
+reasons are what ``--explain`` prints). It is a pure function of the graph and the bindings: the
+rules call it from ``check`` and again from ``rewrite``, and keep nothing between the two calls.
+
+Steps, in order (the first failing one gives the reason):
+
+1. rank: the token rank ``r`` (2 for ``[T, H]``, 3 for ``[B, S, H]``);
+2. routing: TopK over the last axis, ``largest=1``, constant ``k``; the routing form
+   (softmax -> top-k -> renormalised, softmax -> top-k as they are, top-k -> softmax) and so
+   ``router_probs`` and ``normalize_routing_weights``; sigmoid or raw scores are refused;
+3. combine: Unsqueeze/ReduceSum (or MatMul) axes, ``keepdims=0``;
+4. experts: each projection's spelling (GroupedMatMul or Gather/Expand/MatMul), its axes and
+   Reshape targets proved symbolically, the same TopK indices everywhere, constant weights
+   (float, or DequantizeLinear of int4/uint4/int8/uint8 with symmetric zero points), optional
+   constant biases, consistent sizes ``E, H, I``;
+5. activation: relu / tanh gelu / silu / identity / SwiGLU (gate and linear column selections,
+   clamp limit, alpha, beta); exact (Erf) GELU is refused;
+6. target: MoE for float weights, QMoE for quantized ones (renormalised routing), within the
+   requested ops;
+7. escapes (a rule used alone): the router probabilities and the dequantized weights are used by
+   the recognised layer only.
+
+Steps 1 to 3 and the projections' spellings are per layer form: this module proves the per-slot
+form (projections ``[*, k, N]``, :func:`analyse_layer`); :mod:`._moe_rows_analysis` proves the
+flattened-rows form of torch.onnx ``batched_mm`` exports with the same routing, weight and bias
+steps. Both hand the proved parts to :func:`finish_layer` (sizes, activation, target, escapes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.graph.facts import (
+    Refusal,
+    attr_int,
+    const_array,
+    default_opset,
+    label,
+    node_axes,
+    normalize_axes,
+    static_last_dim,
+    static_rank,
+    value_label,
+)
+from onnx_moe_fuse.rewrites.moe.activation_proof import (
+    _columns,
+    _elementwise_activation,
+    _granularity,
+    _swiglu_params,
+)
+from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
+from onnx_moe_fuse.rewrites.moe.plan import (
+    MOE_ACTIVATIONS,
+    PARTS,
+    QMOE_ACTIVATIONS,
+    ExpertWeights,
+    LayerPlan,
+    bound_node,
+    part,
+    refusal_part,
+    refuse,
+)
+from onnx_moe_fuse.rewrites.moe.routing_proof import (
+    Routing,
+    _token_rank,
+    combine_step,
+    routing_form,
+)
+from onnx_moe_fuse.rewrites.moe.weights_proof import (
+    WEIGHT_LAYOUTS,
+    _expert,
+    expert_bias,
+    expert_weights,
+    with_bias,
+)
+
+__all__ = [
+    "PARTS",
+    "ExpertWeights",
+    "FC1_PROJECTIONS",
+    "LayerPlan",
+    "PartFailure",
+    "QMOE_ACTIVATIONS",
+    "Refusal",
+    "Routing",
+    "WEIGHT_LAYOUTS",
+    "analyse_layer",
+    "bound_node",
+    "combine_step",
+    "expert_bias",
+    "expert_weights",
+    "finish_layer",
+    "part",
+    "refusal_part",
+    "refuse",
+    "routing_form",
+    "with_bias",
+]
+# -- the whole layer ---------------------------------------------------------------------------
+
+
+#: The FC1 projections of each activation family: (pattern tag, role in the reasons).
+FC1_PROJECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gated": (("fc1_gate", "FC1 gate"), ("fc1_up", "FC1 up")),
+    "fused_gated": (("fc1", "FC1"),),
+    "elementwise": (("fc1", "FC1"),),
+}
+
+
+def analyse_layer(
+    b: Mapping[str, Any],
+    *,
+    family: str,
+    combine: str,
+    emit: frozenset[str],
+    matched: Collection[ir.Node] | None = None,
+    opset: int | None = None,
+) -> LayerPlan:
+    """Prove that the matched layer equals one fused node; raise :class:`Refusal` otherwise.
+
+    ``b`` holds the pattern's bindings; ``family`` is ``"gated"`` (separate gate/up experts),
+    ``"fused_gated"`` (one FC1 cut into gate/up) or ``"elementwise"``; ``combine`` is
+    ``"reduce_sum"``, ``"matmul_squeeze"`` or ``"matmul_reshape"``; ``emit`` the ops allowed;
+    ``matched`` the nodes the pattern matched (for the escape check of the dequantized weights;
+    None skips it, as ``rewrite`` does once ``check`` has passed).
+
+    This is the per-slot form (projections ``[*, k, N]``); the flattened-rows form of
+    torch.onnx ``batched_mm`` exports is :func:`._moe_rows_analysis.analyse_rows_layer`. Both
+    end in :func:`finish_layer`.
+    """
+    root = b["layer_out"].producer()
+    graph = root.graph if root is not None else None
+    opset = opset if opset is not None else default_opset(graph)
+    with part("tokens"):
+        r = _token_rank(b)
+    routing = routing_form(b, r, opset)
+    k = routing.k
+    topk_idx = routing.topk.outputs[1]
+
+    with part("fc1"):
+        fc1 = tuple(
+            _expert(b, tag, role, r, k, topk_idx, False) for tag, role in FC1_PROJECTIONS[family]
+        )
+    with part("fc2"):
+        fc2 = _expert(b, "fc2", "FC2", r, k, topk_idx, True)
+    with part("combine"):
+        combine_step(b, r, combine, fc2.shape[2])
+    return finish_layer(
+        b,
+        family=family,
+        emit=emit,
+        matched=matched,
+        rank=r,
+        routing=routing,
+        fc1=fc1,
+        fc2=fc2,
+        fc1_last_axis=r,
+    )
+
+
+def finish_layer(
+    b: Mapping[str, Any],
+    *,
+    family: str,
+    emit: frozenset[str],
+    matched: Collection[ir.Node] | None,
+    rank: int,
+    routing: Routing,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    fc1_last_axis: int,
+) -> LayerPlan:
+    """Steps 4 (sizes) to 7 of a layer whose routing and projections are proved.
+
+    Shared by every layer form: ``rank`` is the token rank of the fused node's input,
+    ``fc1_last_axis`` the feature axis of FC1's output (``r`` for ``[*, k, N]``, 1 for
+    flattened ``[rows, N]``), where the SwiGLU cuts must be.
+    """
+    root = b["layer_out"].producer()
+    r = rank
+    k = routing.k
+    e, inter, hidden = fc2.shape
+    with part("weights"):
+        _same_experts(fc1, fc2)
+    tokens: ir.Value = b["tokens"]
+    with part("tokens"):
+        if static_last_dim(tokens) not in (None, hidden):
+            raise refuse(
+                f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens
+            )
+    with part("routing"):
+        _router_width(routing, e, k)
+        _router_rows(routing.router_probs, tokens, hidden)
+        if matched is not None and routing.internal_scores is not None:
+            _router_scores_stay_inside(routing)
+    with part("activation"):
+        activation, columns, (alpha, beta, limit) = _activation(b, family, fc1, fc2, fc1_last_axis)
+    with part("target"):
+        op, bits, block = _target(b, routing, activation, fc1, fc2, emit, hidden, inter)
+    with part("region"):
+        if matched is not None:
+            _weights_stay_inside(fc1, fc2, matched)
+
+    layer_nodes = tuple(
+        n
+        for n in (routing.internal_scores, *(s for w in (*fc1, fc2) for s in w.source_nodes))
+        if n is not None
+    )
+    return LayerPlan(
+        op=op,
+        root=root,
+        topk=routing.topk,
+        tokens=tokens,
+        router_probs=routing.router_probs,
+        rank=r,
+        num_experts=e,
+        k=k,
+        hidden=hidden,
+        inter=inter,
+        normalize=routing.normalize,
+        activation=activation,
+        fc1=fc1,
+        fc1_columns=columns,
+        fc2=fc2,
+        alpha=alpha,
+        beta=beta,
+        limit=limit,
+        bits=bits if op == "QMoE" else 0,
+        block=block if op == "QMoE" else 0,
+        layer_nodes=layer_nodes,
+    )
+
+
+# -- finish_layer's steps ----------------------------------------------------------------------
+
+
+def _same_experts(fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights) -> None:
+    """FC1's weights are ``[E, H, *]`` with FC2's E and H."""
+    e, _, hidden = fc2.shape
+    for w in fc1:
+        if w.shape[0] != e or w.shape[1] != hidden:
+            raise refuse(
+                f"{w.role} weights have shape {list(w.shape)} but FC2's are {list(fc2.shape)} "
+                "(expected [E, H, ...] with the same E and H)",
+                w.value,
+            )
+
+
+def _router_width(routing: Routing, e: int, k: int) -> None:
+    router_e = static_last_dim(routing.router_probs)
+    if router_e is None:
+        raise refuse(
+            f"cannot prove that the router '{value_label(routing.router_probs)}' produces "
+            f"E = {e} logits per token",
+            routing.router_probs,
+        )
+    if router_e != e:
+        raise refuse(
+            f"the router produces {router_e} logits per token but there are {e} experts",
+            routing.router_probs,
+        )
+    if not 1 <= k <= e:
+        raise refuse(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
+
+
+#: Element-wise ops: the row of their output is the row of their input.
+_ROW_WISE_UNARY = frozenset({"Cast", "Identity", "Sigmoid", "Tanh", "Relu", "Neg", "Exp"})
+#: Ops that keep the row order of a ``[..., H]`` value when they keep its last axis.
+_ROW_PRESERVING = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast"})
+
+
+def _row_source(value: ir.Value, hidden: int | None) -> ir.Value:
+    """Walk back through ops that keep the token rows (same elements, same last axis)."""
+    for _ in range(16):
+        node = value.producer()
+        if (
+            node is None
+            or node.op_type not in _ROW_PRESERVING
+            or node.domain not in ("", "ai.onnx")
+        ):
+            return value
+        src = node.inputs[0]
+        if src is None:
+            return value
+        if node.op_type in ("Reshape", "Flatten"):
+            last = static_last_dim(value)
+            if last is None or (hidden is not None and last != static_last_dim(src)):
+                return value
+        if node.op_type in ("Squeeze", "Unsqueeze"):
+            axes = node_axes(node)
+            rank = static_rank(value if node.op_type == "Unsqueeze" else src)
+            norm = None if axes is None or rank is None else normalize_axes(axes, rank)
+            if norm is None or rank - 1 in norm:
+                return value
+        if node.op_type == "Cast" and static_last_dim(value) != static_last_dim(src):
+            return value
+        value = src
+    return value
+
+
+def _rows(value: ir.Value) -> tuple | None:
+    """The leading (row) dims of ``value``'s declared shape, None when unknown or dynamic."""
+    shape = value.shape
+    if shape is None or len(shape) < 2:
+        return None
+    dims = []
+    for d in list(shape)[:-1]:
+        if isinstance(d, int):
+            dims.append(d)
+        elif getattr(d, "value", None) is not None:
+            dims.append(d.value)
+        else:
+            return None
+    return tuple(dims)
+
+
+def _router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
+    """Prove the router logits have one row per token row, in the same order.
+
+    The fused node reads router_probs row i as the routing of token row i. Proved by dataflow
+    (the logits are a projection, ``MatMul(x, W)`` with an optional bias ``Add``, of the same
+    token rows the experts read, up to row-preserving reshapes) or, for logits that come from
+    elsewhere (a graph input), by declared shapes with the same rows.
+    """
+    src = logits
+    for _ in range(8):  # bias, scale, cast or row-wise normalisation around the projection
+        node = src.producer()
+        if node is None or node.inputs[0] is None or node.domain not in ("", "ai.onnx"):
+            break
+        if node.op_type in _ROW_WISE_UNARY:
+            src = node.inputs[0]
+            continue
+        if node.op_type in ("Softmax", "LogSoftmax") and attr_int(node, "axis", -1) == -1:
+            src = node.inputs[0]
+            continue
+        if node.op_type in ("Add", "Sub", "Mul", "Div") and len(node.inputs) == 2:
+            other = node.inputs[1]
+            if other is None or const_array(other) is None:
+                break
+            src = node.inputs[0]
+            continue
+        break
+    node = src.producer()
+    token_root = _row_source(tokens, hidden)
+    projection = node is not None and (
+        node.op_type == "MatMul" or (node.op_type == "Gemm" and attr_int(node, "transA", 0) == 0)
+    )
+    if projection and node.inputs[0] is not None:
+        reads = node.inputs[0]
+        if _row_source(reads, hidden) is token_root:
+            return
+        raise refuse(
+            f"the router {node.op_type} '{label(node)}' reads '{value_label(reads)}', not the token rows "
+            f"'{value_label(tokens)}' the experts read: the fused node routes each token by its own "
+            "router row, which cannot be proved here",
+            node,
+        )
+    got, want = _rows(logits), _rows(tokens)
+    if got is not None and want is not None and math.prod(got) == math.prod(want):
+        return
+    where = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
+    raise refuse(
+        f"cannot prove that the router logits '{value_label(logits)}' ({where}) have one row per "
+        f"token of '{value_label(tokens)}'",
+        logits,
+    )
+
+
+def _router_scores_stay_inside(routing: Routing) -> None:
+    """Standalone rules only (the pipeline's splice keeps an escaping router Softmax)."""
+    sm = routing.internal_scores
+    assert sm is not None
+    scores = sm.outputs[0]
+    topk = routing.topk
+    if scores.is_graph_output() or any(user is not topk for user, _ in scores.uses()):
+        where = (
+            "a graph output"
+            if scores.is_graph_output()
+            else "used by "
+            + ", ".join(
+                sorted({f"{u.op_type} '{label(u)}'" for u, _ in scores.uses() if u is not topk})
+            )
+        )
+        raise refuse(
+            f"the router probabilities '{value_label(scores)}' escape the layer: they are also "
+            f"{where}",
+            scores,
+        )
+
+
+def _activation(
+    b: Mapping[str, Any],
+    family: str,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    fc1_last_axis: int,
+) -> tuple[str, np.ndarray, tuple[float, float, float | None]]:
+    """The activation, FC1's columns in the fused node's order, and (alpha, beta, limit)."""
+    inter = fc2.shape[1]
+    n1 = sum(w.shape[2] for w in fc1)
+    if family == "elementwise":
+        activation = _elementwise_activation(b)
+        if n1 != inter:
+            raise refuse(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
+        return activation, np.arange(n1), (1.0, 0.0, None)
+    params = _swiglu_params(b)
+    if family == "gated":
+        if fc1[0].shape != fc1[1].shape:
+            raise refuse("the gate and up experts have different shapes", fc1[1].value)
+        gate_cols = np.arange(fc1[0].shape[2])
+        lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
+    else:
+        fc1_out: ir.Value = b["fc1_out"]
+        gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
+        lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
+    if len(gate_cols) != inter or len(lin_cols) != inter:
+        raise refuse(
+            f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
+            f"but FC2 reads {inter}",
+            fc2.value,
+        )
+    columns = np.stack([gate_cols, lin_cols], axis=1).reshape(-1)  # row 2j gate, 2j+1 lin
+    return "swiglu", columns, params
+
+
+def _target(
+    b: Mapping[str, Any],
+    routing: Routing,
+    activation: str,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    emit: frozenset[str],
+    hidden: int,
+    inter: int,
+) -> tuple[str, int, int]:
+    """The fused op (MoE for float weights, QMoE for quantized), its bits and block size."""
+    tokens: ir.Value = b["tokens"]
+    if tokens.dtype is not None and tokens.dtype != ir.DataType.FLOAT:
+        raise refuse(
+            f"the tokens '{value_label(tokens)}' are {tokens.dtype.name.lower()}: this version "
+            "fuses float32 layers only (float16/bfloat16 layers are left as they are)",
+            tokens,
+        )
+    dtypes = {w.dtype for w in (*fc1, fc2)}
+    if len(dtypes) != 1:
+        raise refuse("the expert weights do not all have the same float type", fc2.value)
+    if dtypes != {ir.DataType.FLOAT}:
+        (dtype,) = dtypes
+        raise refuse(
+            f"the expert weights are {dtype.name.lower()}: this version fuses float32 layers "
+            "only (float16/bfloat16 layers are left as they are)",
+            fc2.value,
+        )
+    quant = {w.quantized for w in (*fc1, fc2)}
+    if len(quant) != 1:
+        raise refuse(
+            "some expert weights are quantized and others are float ("
+            + ", ".join(f"{w.role}: {w.describe()}" for w in (*fc1, fc2))
+            + "); MoE takes float and QMoE quantized weights only",
+            fc2.value,
+        )
+    op = "QMoE" if quant == {True} else "MoE"
+    bits = block = 0
+    if op == "QMoE":
+        bits, block = _granularity(fc1, fc2, hidden, inter)
+        if routing.normalize != 1:
+            raise refuse(
+                f"routing weights not renormalised (TopK '{label(routing.topk)}' values used as "
+                "they are): only MoE can express this (normalize_routing_weights=0), but the "
+                "expert weights are quantized, which only QMoE takes, and QMoE always renormalises",
+                routing.topk,
+            )
+        if activation not in QMOE_ACTIVATIONS:
+            raise refuse(
+                f"QMoE cannot run activation {activation}",
+                b.get("act") or fc2.value,
+            )
+    elif activation not in MOE_ACTIVATIONS:  # pragma: no cover - every form above is in the set
+        raise refuse(f"MoE cannot run activation {activation}")
+    if op not in emit:
+        raise refuse(
+            f"the layer would fuse into {op}, which is not among the requested ops "
+            f"({', '.join(sorted(emit)) or 'none'})",
+            routing.topk,
+        )
+    return op, bits, block
+
+
+def _weights_stay_inside(
+    fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights, matched: Collection[ir.Node]
+) -> None:
+    """Standalone rules only: the dequantized weights feed the matched layer alone."""
+    for w in (*fc1, fc2):
+        for node in w.source_nodes:
+            out = node.outputs[0]
+            bad = [u for u, _ in out.uses() if u not in matched]
+            if out.is_graph_output() or bad:
+                where = "a graph output" if out.is_graph_output() else f"used by {label(bad[0])}"
+                raise refuse(
+                    f"the dequantized {w.role} weights '{value_label(out)}' escape the layer: "
+                    f"they are also {where}",
+                    out,
+                )

@@ -1,0 +1,77 @@
+"""Repacking of proved expert weights into the fused node's inputs.
+
+Input: a :class:`~._moe_analysis.LayerPlan` (weights in GroupedMatMul's K-major ``[E, K, N]``).
+Output: the arrays of ORT's output-major layout:
+
+* MoE: ``fc1 [E, N1, H]``, ``fc1_bias [E, N1]``, ``fc2 [E, H, I]``, ``fc2_bias [E, H]``;
+* QMoE: ``fc1 [E, N1, H / pack]`` uint8 (4-bit: two codes a byte, the even element in the low
+  nibble; codes stored as ``q + 8`` / ``q + 128``), scales ``[E, N1]`` (one per output row) or
+  ``[E, N1, H / block]``, the same for FC2 with ``[E, H, I / pack]``.
+
+``N1`` is ``I``, or ``2 I`` for SwiGLU, whose rows are always interleaved (row ``2j`` the gate,
+``2j + 1`` the linear operand: ``swiglu_fusion=1``), whatever the source spelling was: separate
+gate/up experts, one FC1 cut in halves, or strided slices. ``LayerPlan.fc1_columns`` names, for
+each fused row, the FC1 output column it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx_moe_fuse.rewrites.moe.analysis import ExpertWeights, LayerPlan
+from onnx_moe_fuse.verify.oracles.quant import pack_qmoe
+
+__all__ = ["FusedArrays", "fused_arrays"]
+
+
+@dataclass(frozen=True)
+class FusedArrays:
+    """The constant inputs of one fused node (``None`` for an absent optional input)."""
+
+    fc1: np.ndarray
+    fc1_scales: np.ndarray | None
+    fc1_bias: np.ndarray | None
+    fc2: np.ndarray
+    fc2_scales: np.ndarray | None
+    fc2_bias: np.ndarray | None
+
+
+def _concat_bias(parts: tuple[ExpertWeights, ...]) -> np.ndarray | None:
+    if all(p.bias is None for p in parts):
+        return None
+    pieces = [
+        p.bias if p.bias is not None else np.zeros((p.shape[0], p.shape[2]), p.dtype.numpy())
+        for p in parts
+    ]
+    return np.concatenate(pieces, axis=1)
+
+
+def _output_major_quant(
+    codes: np.ndarray, scales: np.ndarray, bits: int, block: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """K-major codes ``[E, K, N]`` and scales ``[E, blocks, N]`` -> QMoE weights and scales."""
+    packed = pack_qmoe(np.ascontiguousarray(codes.transpose(0, 2, 1)), bits)
+    s = np.ascontiguousarray(scales.transpose(0, 2, 1))  # [E, N, blocks]
+    if not block:  # one block over K: one scale per output row
+        s = np.ascontiguousarray(s[:, :, 0])
+    return packed, s
+
+
+def fused_arrays(plan: LayerPlan) -> FusedArrays:
+    """Build the fused node's weights, scales and biases from ``plan``."""
+    cols = plan.fc1_columns
+    bias1 = _concat_bias(plan.fc1)
+    bias1 = None if bias1 is None else np.ascontiguousarray(bias1[:, cols])
+    bias2 = plan.fc2.bias
+    if not plan.quantized:
+        w1 = np.concatenate([p.array for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
+        w1 = np.ascontiguousarray(w1.transpose(0, 2, 1))
+        w2 = np.ascontiguousarray(plan.fc2.array.transpose(0, 2, 1))  # type: ignore[union-attr]
+        return FusedArrays(w1, None, bias1, w2, None, bias2)
+    codes1 = np.concatenate([p.codes for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
+    scales1 = np.concatenate([p.scales for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
+    w1, s1 = _output_major_quant(codes1, scales1, plan.bits, plan.block)
+    w2, s2 = _output_major_quant(plan.fc2.codes, plan.fc2.scales, plan.bits, plan.block)  # type: ignore[arg-type]
+    return FusedArrays(w1, s1, bias1, w2, s2, bias2)

@@ -1,0 +1,129 @@
+"""One layer from its parts: combine -> routing -> FC2 -> activation -> FC1, as one fact.
+
+:func:`recognise_layer` starts at the node a combine ends in and recognises each part from the
+value the previous one hands over (the combine's weights lead to the routing TopK, its expert
+output to FC2, FC2's input to the activation, the activation's operands to FC1), so a spelling
+is one part's business and any combination of known part spellings composes. It returns a
+:class:`~.facts.LayerParts` or raises the first part's :class:`~.facts.PartFailure`. What the
+parts mean (axes, shapes, constants, the same indices everywhere, dtypes, ...) is proved by
+the layer proofs that read :attr:`~.facts.LayerParts.bindings`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.graph.facts import label, value_label
+from onnx_moe_fuse.rewrites.moe.parts.activation import (
+    FAMILIES,
+    identity_activation,
+    recognise_activation,
+)
+from onnx_moe_fuse.rewrites.moe.parts.combine import recognise_combine
+from onnx_moe_fuse.rewrites.moe.parts.facts import (
+    ActivationFact,
+    LayerParts,
+    PartFailure,
+    ProjectionFact,
+    failure,
+)
+from onnx_moe_fuse.rewrites.moe.parts.projections import (
+    recognise_fc2,
+    recognise_projection,
+    recognise_token_rows,
+)
+from onnx_moe_fuse.rewrites.moe.parts.routing import recognise_routing
+
+__all__ = ["FC1_TAGS", "escaping_value", "recognise_layer"]
+
+#: The FC1 projections of each activation family, by binding prefix.
+FC1_TAGS = {"gated": ("fc1_gate", "fc1_up"), "fused_gated": ("fc1",), "elementwise": ("fc1",)}
+
+
+def _activation_and_fc1(
+    act: ir.Value, source: str, families: tuple[str, ...]
+) -> tuple[ActivationFact, tuple[ProjectionFact, ...]]:
+    """The activation FC2 reads and the FC1 projection(s) it is made of."""
+    try:
+        activation = recognise_activation(act, families)
+    except PartFailure as no_activation:
+        if "elementwise" not in families:
+            raise
+        try:  # FC2 may read FC1 directly (identity)
+            fc1 = recognise_projection(act, "fc1", source, "fc1")
+        except PartFailure:
+            raise no_activation from None
+        return identity_activation(act), (fc1,)
+    tags = FC1_TAGS[activation.family]
+    fc1 = tuple(
+        recognise_projection(v, tag, source, "fc1")
+        for v, tag in zip(activation.fc1_outputs, tags, strict=True)
+    )
+    return activation, fc1
+
+
+def recognise_layer(
+    root: ir.Node, combine_form: str | None = None, families: tuple[str, ...] = FAMILIES
+) -> LayerParts:
+    """The layer whose combine ends at ``root`` (in ``combine_form``, or any form)."""
+    combine = recognise_combine(root, combine_form)
+    routing = recognise_routing(combine.weights)
+    fc2, extra, extra_nodes = recognise_fc2(combine.expert_out, combine.reads_rows)
+    source = "rows" if fc2.layout == "rows" else "tokens"
+    activation, fc1 = _activation_and_fc1(fc2.input, source, families)
+    reads = fc1[0].input
+    for p in fc1[1:]:
+        if p.input is not reads:
+            raise failure(
+                "fc1",
+                f"the FC1 projections read different values: '{value_label(reads)}' and "
+                f"'{value_label(p.input)}' ({p.tag})",
+                p.input,
+            )
+    tokens = reads
+    extra = dict(extra)
+    nodes = tuple(extra_nodes)
+    if source == "rows":
+        tokens, row_bindings, row_nodes = recognise_token_rows(reads)
+        extra.update(row_bindings)
+        nodes += row_nodes
+    return LayerParts(
+        combine=combine,
+        routing=routing,
+        fc2=fc2,
+        activation=activation,
+        fc1=fc1,
+        layout=fc2.layout,
+        tokens=tokens,
+        extra=extra,
+        extra_nodes=nodes,
+    )
+
+
+def escaping_value(parts: LayerParts, inside: Collection[ir.Node]) -> PartFailure | None:
+    """A failure naming a value of the layer's parts used outside ``inside`` (None if none).
+
+    For a rule used alone: its small pattern matches the combine only, so the rewriter cannot
+    see that an intermediate of FC1, the activation or FC2 feeds something else; replacing the
+    layer output would then leave that part computed twice. The combine's output is the layer's.
+    """
+    for node in parts.nodes:
+        if node is parts.combine.root:
+            continue
+        for out in node.outputs:
+            if out.is_graph_output():
+                where = "a graph output"
+            else:
+                users = [u for u, _ in out.uses() if u not in inside]
+                if not users:
+                    continue
+                where = f"used by {users[0].op_type} '{label(users[0])}' outside the layer"
+            return failure(
+                "region",
+                f"an intermediate value escapes the layer: '{value_label(out)}' "
+                f"({node.op_type} '{label(node)}') is also {where}",
+                out,
+            )
+    return None

@@ -1,0 +1,144 @@
+"""Routing: from the weights the combine multiplies by, back to the routing ``TopK``.
+
+Spellings (each a small pattern rooted where the weights are made)::
+
+    values, indices = TopK(scores, k)
+    weights = Div(values, ReduceSum(values, axes?))                 renorm_div
+            | Mul(values, Reciprocal(ReduceSum(values, axes?)))      renorm_reciprocal (either order)
+            | Softmax(values)                                        softmax_k
+            | values                                                 as_is
+
+:func:`recognise_routing` returns a :class:`~.facts.RoutingFact`; what the scores are (a
+Softmax of the router logits, over which axis, with which k) is proved by
+``_moe_analysis.routing_form``. :func:`routing_pattern` is the same piece for a rule's pattern:
+the layer rules anchor at the combine and the TopK whose values it weights by.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from onnx_moe_fuse.rewrites.graph.facts import label, value_label
+from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match
+from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, failure, half_precision
+
+__all__ = ["WEIGHT_FORMS", "recognise_routing", "routing_pattern"]
+
+#: The weight forms, in the order they are tried.
+WEIGHT_FORMS = ("renorm_div", "renorm_reciprocal", "softmax_k", "as_is")
+
+
+def _var(name: str, optional: bool = False) -> pattern.Var:
+    return pattern.Var(name, can_match_none=optional)
+
+
+def _topk(op) -> tuple[Any, Any]:
+    return op.TopK(_var("router_scores"), _var("topk_k"), _outputs=["topk_values", "topk_indices"])
+
+
+def _total(op, values) -> Any:
+    return op.ReduceSum(values, _var("renorm_axes", True), _outputs=["renorm_sum"])
+
+
+def routing_pattern(op) -> tuple[Any, Any]:
+    """``TopK(scores, k)`` for a rule's pattern: (the weights in any form, the indices).
+
+    Binds ``router_scores``, ``topk_k``, ``topk_values``, ``topk_indices``, ``routing_weights``
+    and the tag ``weight_form``.
+    """
+    values, indices = _topk(op)
+    total = _total(op, values)
+    weights = pattern.OrValue(
+        [
+            op.Div(values, total),
+            op.Mul(values, op.Reciprocal(total)),
+            op.Mul(op.Reciprocal(total), values),
+            op.Softmax(values),
+            values,
+        ],
+        name="routing_weights",
+        tag_var="weight_form",
+        tag_values=["renorm_div", "renorm_reciprocal", "renorm_reciprocal", "softmax_k", "as_is"],
+    )
+    return weights, indices
+
+
+def _div(op):
+    values, _ = _topk(op)
+    return op.Div(values, _total(op, values))
+
+
+def _mul_reciprocal(op):
+    values, _ = _topk(op)
+    return op.Mul(values, op.Reciprocal(_total(op, values)))
+
+
+def _reciprocal_mul(op):
+    values, _ = _topk(op)
+    return op.Mul(op.Reciprocal(_total(op, values)), values)
+
+
+def _softmax(op):
+    values, _ = _topk(op)
+    return op.Softmax(values)
+
+
+_PATTERNS = (
+    ("renorm_div", PartPattern("routing/renorm_div", _div)),
+    ("renorm_reciprocal", PartPattern("routing/mul_reciprocal", _mul_reciprocal)),
+    ("renorm_reciprocal", PartPattern("routing/reciprocal_mul", _reciprocal_mul)),
+    ("softmax_k", PartPattern("routing/softmax_k", _softmax)),
+)
+
+
+def recognise_routing(weights: ir.Value) -> RoutingFact:
+    """The routing TopK behind ``weights`` (the values the combine weights the slots by)."""
+    node = weights.producer()
+    if node is not None and node.op_type == "TopK" and node.domain in ("", "ai.onnx"):
+        if weights.index() != 0:
+            raise failure(
+                "routing",
+                f"the combine weights the slots by the indices of TopK '{label(node)}', not by "
+                "its values",
+                node,
+            )
+        b = {
+            "router_scores": node.inputs[0],
+            "topk_k": node.inputs[1] if len(node.inputs) > 1 else None,
+            "topk_values": node.outputs[0],
+            "topk_indices": node.outputs[1],
+        }
+        return _fact(node, weights, "as_is", (node,), b)
+    found = first_match(_PATTERNS, node)
+    if found is None:
+        half = half_precision("routing", weights)
+        if half is not None:
+            raise half
+        what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
+        raise failure(
+            "routing",
+            f"the routing weights '{value_label(weights)}' ({what}) are not the values of a TopK "
+            "(as they are, renormalised by their sum, or softmaxed over the k slots)",
+            weights,
+        )
+    form, match = found
+    topk = match.bindings["topk_values"].producer()
+    return _fact(topk, weights, form, match.nodes, match.bindings)
+
+
+def _fact(topk: ir.Node, weights: ir.Value, form: str, nodes: tuple, bindings: dict) -> RoutingFact:
+    b = dict(bindings)
+    b["routing_weights"] = weights
+    b["weight_form"] = form
+    return RoutingFact(
+        topk=topk,
+        scores=b["router_scores"],
+        weights=weights,
+        indices=topk.outputs[1],
+        form=form,
+        nodes=tuple(nodes),
+        bindings=b,
+    )

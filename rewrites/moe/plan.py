@@ -1,0 +1,188 @@
+"""What a layer proof produces and how it refuses: :class:`ExpertWeights`, :class:`LayerPlan`, :func:`refuse`, :func:`part`.
+
+The vocabulary every proof step of :mod:`._moe_analysis` shares: the plan the rewrite emits from,
+the layer parts a refusal names (:data:`PARTS`), and the readers of the recognised bindings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.graph.facts import (
+    Refusal,
+)
+from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
+
+#: Activations QMoE takes: ORT CPU runs all five, and so do this project's QMoE kernels
+#: (kernels/qmoe/manifest.json; test.json has a gelu, silu and identity case each). A target
+#: with fewer (onnxruntime-webgpu: swiglu only) refuses the rest in ``ort_contract``.
+QMOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+#: Activations ORT's CPU MoE runs.
+MOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+_FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+_QUANT_TYPES = {
+    ir.DataType.INT4: (4, True),
+    ir.DataType.UINT4: (4, False),
+    ir.DataType.INT8: (8, True),
+    ir.DataType.UINT8: (8, False),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """One expert projection's weights in GroupedMatMul's K-major layout ``[E, K, N]``.
+
+    Float weights keep ``array``; quantized ones keep the source's integer codes ``raw``
+    (K-major, its symmetric zero point ``offset``), from which :attr:`codes` are computed when
+    the emission first reads them (the checks never do), ``scales`` ``[E, blocks, N]`` and
+    ``block``, the block size along K the source declares (0 when it declares none, or one
+    partial block).
+    """
+
+    role: str
+    value: ir.Value
+    shape: tuple[int, int, int]
+    dtype: ir.DataType
+    array: np.ndarray | None = None
+    raw: np.ndarray | None = None
+    offset: int = 0
+    scales: np.ndarray | None = None
+    bits: int = 0
+    block: int = 0
+    bias: np.ndarray | None = None
+    source_nodes: tuple[ir.Node, ...] = ()
+
+    @cached_property
+    def codes(self) -> np.ndarray | None:
+        """Unsigned QMoE codes ``[E, K, N]``: value = ``(code - 2**(bits-1)) * scale``."""
+        if self.raw is None:
+            return None
+        return (self.raw.astype(np.int16) - self.offset + (1 << (self.bits - 1))).astype(np.uint8)
+
+    @property
+    def per_channel(self) -> bool:
+        """True when the scales can be one per expert and output channel (a single block)."""
+        return self.scales is not None and self.scales.shape[1] == 1
+
+    @property
+    def quantized(self) -> bool:
+        """True for DequantizeLinear weights."""
+        return self.raw is not None
+
+    def describe(self) -> str:
+        """E.g. ``int4 blocked 32`` or ``float``."""
+        if not self.quantized:
+            return "float"
+        if self.block and not self.per_channel:
+            return f"{self.bits}-bit blocked {self.block}"
+        if self.block:
+            return f"{self.bits}-bit per channel (one block of {self.block})"
+        return f"{self.bits}-bit per channel"
+
+
+@dataclass(frozen=True, eq=False)
+class LayerPlan:
+    """Everything the rewrite needs to emit one fused node (computed, never stored)."""
+
+    op: str
+    root: ir.Node
+    topk: ir.Node
+    tokens: ir.Value
+    router_probs: ir.Value
+    rank: int
+    num_experts: int
+    k: int
+    hidden: int
+    inter: int
+    normalize: int
+    activation: str
+    fc1: tuple[ExpertWeights, ...]
+    fc1_columns: np.ndarray
+    fc2: ExpertWeights
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float | None = None
+    bits: int = 0
+    block: int = 0
+    layer_nodes: tuple[ir.Node, ...] = field(default=())
+
+    @property
+    def quantized(self) -> bool:
+        """True when the layer becomes a QMoE."""
+        return self.op == "QMoE"
+
+    def attributes(self) -> dict[str, Any]:
+        """Every attribute of the emitted node, written explicitly."""
+        swiglu = self.activation == "swiglu"
+        attrs: dict[str, Any] = {
+            "k": int(self.k),
+            "activation_type": self.activation,
+            "normalize_routing_weights": int(self.normalize),
+            "use_sparse_mixer": 0,
+            "swiglu_fusion": 1 if swiglu else 0,
+            "activation_alpha": float(self.alpha),
+            "activation_beta": float(self.beta),
+            "swiglu_limit": float(self.limit) if self.limit is not None else math.inf,
+        }
+        if self.quantized:
+            attrs["expert_weight_bits"] = int(self.bits)
+            attrs["block_size"] = int(self.block)
+        return attrs
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def refuse(reason: str, *sources: ir.Node | ir.Value | None) -> PartFailure:
+    """A :class:`PartFailure` with ``reason``, naming the nodes/values given (None ones skipped).
+
+    Its part is set by the innermost :func:`part` it is raised in.
+    """
+    return PartFailure(None, reason, *sources)
+
+
+#: The parts of a layer a refusal can name, in the order a layer proof checks them.
+PARTS = ("tokens", "routing", "fc1", "activation", "fc2", "combine", "weights", "target", "region")
+
+
+@contextmanager
+def part(name: str) -> Iterator[None]:
+    """Tag a :class:`PartFailure` raised inside with the layer ``part`` it is about.
+
+    The innermost tag wins, so a shared step (``routing_form``) tags its own refusals and a
+    caller's broader tag does not overwrite them. A plain :class:`Refusal` (from a
+    ``_graph_facts`` helper) becomes a :class:`PartFailure` of ``name``: there is one failure
+    type. Reports and ``--explain`` print the part.
+    """
+    assert name in PARTS, name
+    try:
+        yield
+    except PartFailure as failure:
+        if failure.part is None:
+            failure.part = name
+        raise
+    except Refusal as refusal:
+        raise PartFailure(name, refusal.reason, *refusal.failure_sources) from None
+
+
+def refusal_part(refusal: Refusal) -> str | None:
+    """The layer part a refusal names (None for one raised outside any :func:`part`)."""
+    return getattr(refusal, "part", None)
+
+
+def bound_node(b: Mapping[str, Any], name: str) -> ir.Node | None:
+    """The producer of the value bound to ``name``, or None."""
+    v = b.get(name)
+    return v.producer() if isinstance(v, ir.Value) else None
+
+
+def _is_last_axis(axis: int | None, rank: int) -> bool:
+    return axis is not None and axis in (-1, rank - 1)

@@ -1,0 +1,209 @@
+"""Proof steps 1-3 of a per-slot layer: the token rank, the routing form, the combine.
+
+The routing form decides ``router_probs`` and ``normalize_routing_weights`` (softmax -> top-k
+-> renormalised, as they are, or top-k -> softmax); the combine's axes and shapes are proved on
+symbolic dims. Used by :func:`._moe_analysis.analyse_layer` and the rows layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.graph.facts import (
+    Dim,
+    attr_int,
+    const_ints,
+    label,
+    lead_dims,
+    node_axes,
+    normalize_axes,
+    reshape_dims,
+    static_rank,
+    value_label,
+)
+from onnx_moe_fuse.rewrites.moe.plan import (
+    _is_last_axis,
+    bound_node,
+    part,
+    refuse,
+)
+
+# -- 1. rank -----------------------------------------------------------------------------------
+
+
+def _token_rank(b: Mapping[str, Any]) -> int:
+    tokens: ir.Value = b["tokens"]
+    for v in (tokens, b.get("router_scores"), b.get("topk_values"), b.get("layer_out")):
+        r = static_rank(v)
+        if r is not None:
+            break
+    else:
+        r = None
+    if r is None:
+        # the combine's non-negative ReduceSum axis names the k axis, r - 1
+        root = bound_node(b, "layer_out")
+        if root is not None and root.op_type == "ReduceSum":
+            axes = node_axes(root)
+            if axes and len(axes) == 1 and axes[0] >= 0:
+                r = axes[0] + 1
+    if r is None:
+        raise refuse(
+            f"cannot tell the rank of the tokens '{value_label(tokens)}' (no declared shape and "
+            "no constant that fixes it)",
+            tokens,
+        )
+    if r not in (2, 3):
+        raise refuse(
+            f"the tokens '{value_label(tokens)}' have rank {r}; MoE/QMoE take [tokens, H] or "
+            "[batch, seq, H]",
+            tokens,
+        )
+    return r
+
+
+# -- 2. routing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The proved routing: the TopK, k, what MoE/QMoE read as router_probs, the normalisation."""
+
+    topk: ir.Node
+    k: int
+    router_probs: ir.Value
+    normalize: int
+    internal_scores: ir.Node | None  # the Softmax that becomes part of the fused node
+
+
+def routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
+    """Step 2: the routing TopK over the experts of rank-``r`` scores and its weight form."""
+    with part("routing"):
+        return _routing_form(b, r, opset)
+
+
+def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
+    topk_values: ir.Value = b["topk_values"]
+    topk = topk_values.producer()
+    assert topk is not None
+    if topk.outputs[1] is not b.get("topk_indices"):
+        raise refuse("the routing TopK's indices are not bound", topk)
+    if not _is_last_axis(attr_int(topk, "axis", -1), r):
+        raise refuse(
+            f"TopK '{label(topk)}' selects along axis {attr_int(topk, 'axis', -1)}, not over the "
+            "experts (last axis)",
+            topk,
+        )
+    if attr_int(topk, "largest", 1) != 1:
+        raise refuse(f"TopK '{label(topk)}' takes the smallest values (largest=0)", topk)
+    k_values = const_ints(b.get("topk_k"))
+    if not k_values or len(k_values) != 1 or k_values[0] < 1:
+        raise refuse(f"TopK '{label(topk)}' has no constant k >= 1", topk)
+    k = k_values[0]
+
+    scores: ir.Value = b["router_scores"]
+    producer = scores.producer()
+    form = b.get("weight_form")
+    if form == "softmax_k":
+        sm = bound_node(b, "routing_weights")
+        if sm is None or not _is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
+            raise refuse(
+                f"the Softmax over the top-k values '{label(sm)}' is not over the k axis", sm
+            )
+        # Softmax over the k selected scores == MoE/QMoE's top-k of router_probs with the k
+        # weights renormalised, whatever produced the scores.
+        return Routing(topk, k, scores, 1, None)
+
+    if producer is not None and producer.op_type == "Sigmoid":
+        raise refuse(
+            f"sigmoid routing: the top-k scores come from Sigmoid '{label(producer)}', not Softmax; "
+            "MoE and QMoE softmax the router logits and cannot express sigmoid scores (that "
+            "needs router_weights)",
+            producer,
+        )
+    if producer is None or producer.op_type != "Softmax":
+        what = "a graph input" if producer is None else f"{producer.op_type} '{label(producer)}'"
+        raise refuse(
+            f"the top-k weights are not softmax probabilities: TopK '{label(topk)}' reads "
+            f"'{value_label(scores)}' ({what}) and its values are combined "
+            + ("after renormalising" if form != "as_is" else "as they are"),
+            topk,
+        )
+    if not _is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
+        raise refuse(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
+    logits = producer.inputs[0]
+    assert logits is not None
+    if form in ("renorm_div", "renorm_reciprocal"):
+        s = bound_node(b, "renorm_sum")
+        if s is None:
+            raise refuse("the renormalising ReduceSum is missing", topk)
+        axes = node_axes(s)
+        if axes is None or len(axes) != 1 or not _is_last_axis(axes[0], r):
+            raise refuse(
+                f"ReduceSum '{label(s)}' does not sum the k routing weights (axes {axes})", s
+            )
+        if attr_int(s, "keepdims", 1) != 1:
+            raise refuse(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
+        return Routing(topk, k, logits, 1, producer)
+    if form == "as_is":
+        return Routing(topk, k, logits, 0, producer)
+    raise refuse(f"unknown routing form {form!r}", topk)
+
+
+# -- 3. combine --------------------------------------------------------------------------------
+
+
+def combine_step(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.Node:
+    """Step 3: the slot combine's axes (``[*, k, H]`` slots, rank-``r`` tokens); its root."""
+    out: ir.Value = b["layer_out"]
+    root = out.producer()
+    assert root is not None
+    unsq = bound_node(b, "routing_weights_unsq")
+    assert unsq is not None
+    if combine == "reduce_sum":
+        axes = node_axes(unsq)
+        if axes is None or normalize_axes(axes, r + 1) != [r]:
+            raise refuse(
+                f"Unsqueeze '{label(unsq)}' does not add a trailing axis to the routing weights "
+                f"(axes {axes})",
+                unsq,
+            )
+        axes = node_axes(root)
+        if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
+            raise refuse(
+                f"ReduceSum '{label(root)}' does not sum over the k axis (axes {axes})", root
+            )
+        if attr_int(root, "keepdims", 1) != 0:
+            raise refuse(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
+        return root
+    # MatMul combine: Unsqueeze(w, k-1 axis) [*, 1, k] @ expert_out [*, k, H] -> [*, 1, H]
+    axes = node_axes(unsq)
+    if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
+        raise refuse(
+            f"Unsqueeze '{label(unsq)}' does not make the routing weights a row vector per token "
+            f"(axes {axes})",
+            unsq,
+        )
+    if root.op_type == "Squeeze":
+        axes = node_axes(root)
+        if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
+            raise refuse(f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root)
+        return root
+    shape = const_ints(root.inputs[1])
+    lead = lead_dims(b["tokens"], r - 1)
+    h = Dim.of(hidden)
+    got = None if shape is None else reshape_dims([*lead, Dim.of(1), h], shape)
+    if got != [*lead, h]:
+        raise refuse(
+            f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine "
+            f"(from {_dims([*lead, Dim.of(1), h])} it must make {_dims([*lead, h])})",
+            root,
+        )
+    return root
+
+
+def _dims(dims: list[Dim]) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"

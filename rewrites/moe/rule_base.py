@@ -1,0 +1,265 @@
+"""The base of the MoE layer rules: a small combine pattern, part recognisers, the proofs.
+
+A layer rule's pattern is the combine that ends the layer (:mod:`.parts.combine`, one form per
+rule instance) weighted by the values of a routing TopK (:func:`.parts.routing.routing_pattern`):
+the few nodes that anchor a layer at its TopK and keep the rule from firing on sums that are no
+MoE. Everything between the TopK and the combine's expert output is recognised part by part in
+``check`` (:func:`.parts.layer.recognise_layer`: routing, FC2, activation, FC1), and the
+recognised :class:`~.parts.facts.LayerParts` is proved by the layout's proof
+(:func:`~._moe_analysis.analyse_layer` for per-slot projections,
+:func:`~._moe_rows_analysis.analyse_rows_layer` for flattened rows) into a
+:class:`~._moe_analysis.LayerPlan`, or refused with a :class:`~.parts.facts.PartFailure` whose
+``"part: reason"`` text is the ``MatchResult`` failure. ``rewrite`` recognises and proves again
+(nothing is kept on the rule) and emits the fused node from the plan.
+
+The concrete rules (:mod:`.moe_layer`, :mod:`.moe_layer_batched`) give an activation ``family``
+and their combine forms: a rule recognises a layer of any family and fuses only its own, so a
+layer's near misses are the same whichever rule reports them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
+from onnx_moe_fuse.rewrites.moe.analysis import LayerPlan, Refusal, analyse_layer, refusal_part
+from onnx_moe_fuse.rewrites.moe.emit import fused_arrays
+from onnx_moe_fuse.rewrites.moe.parts.activation import FAMILIES
+from onnx_moe_fuse.rewrites.moe.parts.combine import combine_pattern
+from onnx_moe_fuse.rewrites.moe.parts.facts import LayerParts, failure
+from onnx_moe_fuse.rewrites.moe.parts.layer import escaping_value, recognise_layer
+from onnx_moe_fuse.rewrites.moe.parts.routing import routing_pattern
+from onnx_moe_fuse.rewrites.moe.rows_analysis import analyse_rows_layer
+
+__all__ = [
+    "FAMILIES",
+    "FUSED_OPS",
+    "MS_DOMAIN",
+    "LAYER_OUT_KEY",
+    "REPLACED_KEY",
+    "TOPK_KEY",
+    "MoELayerRule",
+    "prove_layer",
+    "routing_pattern",
+    "var",
+]
+
+#: The ops the layer rules emit (all in the ``com.microsoft`` domain).
+FUSED_OPS = frozenset({"MoE", "QMoE"})
+#: Node metadata key carrying the replaced node names (JSON list), read by the fusion pass.
+REPLACED_KEY = "onnx_moe_fuse.replaced"
+#: Node metadata keys naming the value a fused node replaces and its routing TopK's first output.
+LAYER_OUT_KEY = "onnx_moe_fuse.layer_out"
+TOPK_KEY = "onnx_moe_fuse.topk"
+MS_DOMAIN = "com.microsoft"
+
+
+def var(name: str, optional: bool = False) -> pattern.Var:
+    """A pattern variable; ``optional`` ones also match an absent (empty) input."""
+    return pattern.Var(name, can_match_none=optional)
+
+
+# -- the rule ----------------------------------------------------------------------------------
+
+
+def _layer_nodes(plan: LayerPlan) -> list[ir.Node]:
+    """The nodes the fused node replaces, in graph order (walked back from the layer output)."""
+    stop = {id(plan.tokens), id(plan.router_probs)}
+    seen: dict[int, ir.Node] = {}
+    todo = [plan.root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        for v in node.inputs:
+            if v is None or id(v) in stop:
+                continue
+            p = v.producer()
+            if p is None or p.op_type == "Constant" or v.is_initializer():
+                continue
+            todo.append(p)
+    graph = plan.root.graph
+    order = {id(n): i for i, n in enumerate(graph)} if graph is not None else {}
+    return sorted(seen.values(), key=lambda n: order.get(id(n), 0))
+
+
+def _fresh_name(graph: ir.Graph | None, base: str) -> str:
+    taken = graph.initializers if graph is not None else {}
+    name, i = base, 1
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def prove_layer(
+    parts: LayerParts,
+    *,
+    combine: str,
+    emit: frozenset[str],
+    standalone: bool,
+) -> LayerPlan:
+    """Prove the recognised ``parts`` one fused node; raise the first part's failure otherwise.
+
+    ``standalone``: the rule runs alone (not in the pipeline's splice), so nothing the fused
+    node replaces may be used outside the layer (the splice proves its region itself).
+    """
+    b = parts.bindings
+    inside = parts.nodes if standalone else None
+    if parts.layout == "rows":
+        plan = analyse_rows_layer(
+            b, family=parts.family, emit=emit, matched=inside, combine=combine
+        )
+    else:
+        plan = analyse_layer(b, family=parts.family, combine=combine, emit=emit, matched=inside)
+    if standalone:
+        escape = escaping_value(parts, parts.nodes)
+        if escape is not None:
+            raise escape
+    return plan
+
+
+class MoELayerRule(pattern.RewriteRuleClassBase):
+    """A layer rule: a small combine pattern; ``check`` recognises and proves, ``rewrite`` emits.
+
+    A concrete rule gives its activation ``family`` and the combine forms it anchors at
+    (``combines``, class attributes); recognition and proofs are shared (:func:`prove_layer`).
+    """
+
+    family: ClassVar[str] = ""
+    combines: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        combine: str | None = None,
+        emit: Iterable[str] = FUSED_OPS,
+        probe: bool = False,
+        splice: bool = False,
+        weight_sink: WeightSink | None = None,
+    ) -> None:
+        """Configure the rule: which combine form it anchors at, which ops it may emit.
+
+        ``combine`` defaults to the layout's first form. A ``probe`` rule checks like the
+        real one but its rewrite builds only a placeholder: it serves dry runs with a tracer
+        (which never apply a rewrite), to collect near misses without repacking weights.
+
+        A ``splice`` rule runs on a canonicalised working copy whose fused nodes are spliced
+        into the original graph afterwards (``onnx_moe_fuse.pipeline``): the splice proves the
+        layer's region in the original, keeps what escapes upstream of the experts (a router
+        Softmax that is also a graph output) and refuses the rest. So a splice rule does not
+        check escapes; used alone (the default), a rule refuses a layer with an intermediate
+        used outside it. Either way the rule removes no node itself (its pattern is the combine
+        and the TopK only): the rewriter replaces the layer output and the rest of the layer is
+        left dead, for a dead-code pass (the pipeline's, or the rule set's own when alone).
+
+        ``weight_sink`` stores each repacked array as an initializer's tensor
+        (:mod:`.weight_sink`; default in memory).
+        """
+        combine = self.combines[0] if combine is None else combine
+        if combine not in self.combines:
+            raise ValueError(f"combine must be one of {self.combines}, got {combine!r}")
+        emit = frozenset(emit)
+        if not emit <= FUSED_OPS:
+            raise ValueError(f"emit must be a subset of {sorted(FUSED_OPS)}, got {sorted(emit)}")
+        super().__init__(name or f"{type(self).__name__}[{combine}]", remove_nodes=False)
+        # configuration only: nothing about a match is ever stored on the rule
+        self._combine_form = combine
+        self._emit = emit
+        self._probe = probe
+        self._splice = splice
+        self._weight_sink = in_memory if weight_sink is None else weight_sink
+
+    def pattern(self, op):
+        """The combine form of this rule, weighted by the values of a routing TopK."""
+        weights, _ = routing_pattern(op)
+        return combine_pattern(op, self._combine_form, var("expert_out"), weights)
+
+    def _plan(self, bindings: dict[str, Any]) -> LayerPlan:
+        """Recognise the layer's parts and prove them (a pure function of the graph)."""
+        root = bindings["layer_out"].producer()
+        parts = recognise_layer(root, self._combine_form, FAMILIES)
+        plan = prove_layer(
+            parts, combine=self._combine_form, emit=self._emit, standalone=not self._splice
+        )
+        if parts.family != self.family:
+            # another rule of this combine fuses it; failing with the same words as that rule
+            # would on a refusal keeps one near miss per layer (the proof above raised it)
+            raise failure(
+                "activation",
+                f"the activation is {parts.activation.kind} ({parts.family} family), which "
+                f"another rule of this combine fuses",
+                parts.activation.output,
+            )
+        return plan
+
+    def check(self, context, **bindings) -> pattern.MatchResult:
+        """Prove the rewrite equivalent; a failure names the part and the reason in plain words."""
+        del context  # the layer's nodes are the recognised parts', not the small pattern's
+        result = pattern.MatchResult()
+        try:
+            self._plan(bindings)
+        except Refusal as refusal:
+            part = refusal_part(refusal)
+            reason = f"{part}: {refusal.reason}" if part else refusal.reason
+            return result.fail(reason, list(refusal.failure_sources))
+        return result
+
+    def rewrite(self, op, **bindings):
+        """Emit one ``com.microsoft.MoE``/``QMoE`` node (weights repacked, attributes explicit)."""
+        if self._probe:
+            return op.Identity(bindings["topk_values"])
+        plan = self._plan(bindings)
+        arrays = fused_arrays(plan)
+        graph = plan.root.graph
+        base = re.sub(
+            r"[^A-Za-z0-9_.]+", "_", plan.topk.name or plan.topk.outputs[0].name or "layer"
+        )
+        base = f"{plan.op.lower()}_{base}"
+
+        def const(suffix: str, array: np.ndarray | None) -> ir.Value | None:
+            if array is None:
+                return None
+            name = _fresh_name(graph, f"{base}.{suffix}")
+            return op.initializer(self._weight_sink(array, name), name=name)
+
+        router = plan.router_probs
+        if plan.rank != 2:
+            shape = op.Constant(value=ir.tensor(np.array([-1, plan.num_experts], dtype=np.int64)))
+            router = op.Reshape(router, shape)
+        w1 = const("fc1_experts_weights", arrays.fc1)
+        b1 = const("fc1_experts_bias", arrays.fc1_bias)
+        w2 = const("fc2_experts_weights", arrays.fc2)
+        b2 = const("fc2_experts_bias", arrays.fc2_bias)
+        if plan.op == "MoE":
+            inputs = [plan.tokens, router, w1, b1, w2, b2]
+        else:
+            s1 = const("fc1_scales", arrays.fc1_scales)
+            s2 = const("fc2_scales", arrays.fc2_scales)
+            inputs = [plan.tokens, router, w1, s1, b1, w2, s2, b2]
+        while inputs[-1] is None:
+            inputs.pop()
+        out = op.op(
+            plan.op,
+            *inputs,
+            _domain=MS_DOMAIN,
+            _name=f"{base}/{plan.op}",
+            **plan.attributes(),
+        )
+        replaced = [n.name or f"{n.op_type}({n.outputs[0].name})" for n in _layer_nodes(plan)]
+        meta = out.producer().metadata_props
+        meta[REPLACED_KEY] = json.dumps(replaced)
+        # for the pipeline's splice: a splice rule keeps the matched nodes, so the rewriter
+        # gives the fused output a fresh name; these name what it replaces and its router
+        meta[LAYER_OUT_KEY] = plan.root.outputs[0].name or ""
+        meta[TOPK_KEY] = plan.topk.outputs[0].name or ""
+        return out

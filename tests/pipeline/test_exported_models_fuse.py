@@ -1,0 +1,545 @@
+"""The MoE layer rules on real torch.onnx exports (``sample_models/exported``), and variants.
+
+Every ``*_batched_mm*`` export fuses exactly into what its record (``<name>.json``) expects, and
+the fused model, run in ONNX Runtime CPU, matches the stored PyTorch output and the reference
+path on the original; the recorded "none" forms come out unchanged with a plain-words reason.
+Variants edited from the exports (weights replaced by int4 DequantizeLinear, other spellings of
+the same layout, structural constants that change the meaning) check QMoE and the refusals.
+
+Inputs are fresh random values on every run; each failure message carries the seed, and
+``ONNX_MOE_FUSE_SEED=<seed>`` replays it. No torch needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.numpy_helper as nh
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from onnx_moe_fuse import fuse
+from onnx_moe_fuse.pipeline import REQUIRED_ATTRIBUTES
+from onnx_moe_fuse.verify.checker import verify
+from onnx_moe_fuse.verify.reference import random_feeds, run_reference
+
+RTOL = 1e-4
+MS = "com.microsoft"
+EXPORTED = Path(__file__).resolve().parents[2] / "sample_models" / "exported"
+RECORDS = {
+    m["name"]: json.loads((EXPORTED / f"{m['name']}.json").read_text())
+    for m in json.loads((EXPORTED / "index.json").read_text())["models"]
+}
+FUSING = sorted(n for n, r in RECORDS.items() if r["expected"])
+UNFUSED = sorted(n for n, r in RECORDS.items() if not r["expected"])
+#: token shapes [batch, sequence] of the random inputs (one token; two rows of a prime length)
+TOKEN_SHAPES = ({"batch": 1, "sequence": 1}, {"batch": 2, "sequence": 7})
+
+
+def base_seed() -> int:
+    env = os.environ.get("ONNX_MOE_FUSE_SEED")
+    return int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
+
+
+def load(name: str) -> onnx.ModelProto:
+    return onnx.load(EXPORTED / f"{name}.onnx")
+
+
+def fused_node(model: onnx.ModelProto) -> onnx.NodeProto:
+    (node,) = [n for n in model.graph.node if n.domain == MS]
+    return node
+
+
+def node_attributes(node: onnx.NodeProto) -> dict[str, object]:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+
+
+def assert_matches_reference(original: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    """``fused`` in ORT CPU and through the numpy oracles matches the original's reference path.
+
+    ORT runs through the project's equivalence checker (graph optimisations off, 1e-4 relative
+    to the output's largest magnitude), on fresh inputs of each token shape.
+    """
+    seed = base_seed()
+    for i, dims in enumerate(TOKEN_SHAPES):
+        report = verify(original, fused, seeds=(seed + i,), dim_values=dims, paths=("ort",))
+        report.raise_for_failure()  # the summary names the seed and the errors
+        assert report.paths["ort"].outputs["output"].max_rel <= RTOL
+        feeds = random_feeds(original, seed + i, dims)
+        ref = run_reference(original, feeds)["output"]
+        oracle = run_reference(fused, feeds)["output"]
+        worst = float(np.abs(oracle - ref).max())
+        assert worst <= RTOL * float(np.abs(ref).max()), f"oracle (seed {seed + i}, {dims})"
+
+
+def refused(model: onnx.ModelProto, words: str, **kwargs) -> str:
+    """``model`` comes out byte for byte unchanged with a near miss whose reason has ``words``."""
+    result = fuse(model, **kwargs)
+    assert not result.report.fusions
+    assert result.model.SerializeToString() == model.SerializeToString()
+    reasons = [m["reason"] for m in result.report.near_misses]
+    hits = [r for r in reasons if words in r.lower()]
+    assert hits, reasons
+    return hits[0]
+
+
+# -- graph edits ---------------------------------------------------------------------------------
+
+
+def producer(model: onnx.ModelProto, output: str) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if output in n.output)
+
+
+def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return nh.to_array(next(t for t in model.graph.initializer if t.name == name))
+
+
+def set_initializer(model: onnx.ModelProto, name: str, array: np.ndarray | None) -> None:
+    """Replace (or, with None, drop) initializer ``name``."""
+    kept = [t for t in model.graph.initializer if t.name != name]
+    if array is not None:
+        kept.append(nh.from_array(array, name))
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def replace_nodes(model: onnx.ModelProto, new: dict[str, list[onnx.NodeProto]]) -> None:
+    """Swap the node making each key of ``new`` for the given nodes (an empty list drops it)."""
+    nodes = []
+    for node in model.graph.node:
+        key = next((o for o in node.output if o in new), None)
+        nodes.extend([node] if key is None else new.pop(key))
+    assert not new, f"no node makes {list(new)}"
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    del model.graph.value_info[:]
+
+
+def set_input(model: onnx.ModelProto, output: str, index: int, array: np.ndarray) -> None:
+    """Feed input ``index`` of the node making ``output`` from a new initializer ``array``."""
+    node = producer(model, output)
+    name = f"{output}_edited_{index}"
+    node.input[index] = name
+    model.graph.initializer.append(nh.from_array(array, name))
+
+
+def stacked(model: onnx.ModelProto, rank: int) -> list[str]:
+    """The GatherND data initializers of ``rank`` in graph order (FC1 first, then FC2)."""
+    inits = {t.name: len(t.dims) for t in model.graph.initializer}
+    return [
+        n.input[0]
+        for n in model.graph.node
+        if n.op_type == "GatherND" and inits.get(n.input[0]) == rank
+    ]
+
+
+def with_inter(model: onnx.ModelProto, inter: int) -> onnx.ModelProto:
+    """The layer with only the first ``inter`` SwiGLU channels of each expert (same spelling).
+
+    Concatenated-halves exports (Split, weights [E, out, in]) keep rows ``[0, inter)`` and
+    ``[I, I + inter)`` of gate_up; interleaved ones (gpt-oss, [E, in, out]) the first
+    ``2 * inter`` columns. Stale value_info is dropped (the rules then work from constants).
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    (w1, w2) = stacked(m, 3)
+    a1, a2 = initializer(m, w1), initializer(m, w2)
+    if any(n.op_type == "Split" for n in m.graph.node):  # [E, 2I, H], [E, H, I]
+        half = a1.shape[1] // 2
+        a1 = np.concatenate([a1[:, :inter], a1[:, half : half + inter]], axis=1)
+        a2 = a2[:, :, :inter]
+    else:  # [E, H, 2I] interleaved, [E, I, H]; bias [E, 2I]
+        a1, a2 = a1[:, :, : 2 * inter], a2[:, :inter, :]
+        (b1, _) = stacked(m, 2)
+        set_initializer(m, b1, np.ascontiguousarray(initializer(m, b1)[:, : 2 * inter]))
+    set_initializer(m, w1, np.ascontiguousarray(a1))
+    set_initializer(m, w2, np.ascontiguousarray(a2))
+    del m.graph.value_info[:]
+    return m
+
+
+def int4_blocked(w: np.ndarray, axis: int, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int4 codes (in [-8, 7]) and float scales, blocked along ``axis``."""
+    moved = np.moveaxis(w, axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], -1, block)
+    scale = (np.abs(blocks).max(-1) / 7).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale[..., None]), -8, 7).astype(np.int8).reshape(moved.shape)
+    return np.moveaxis(q, -1, axis), np.moveaxis(scale, -1, axis)
+
+
+def quantized(model: onnx.ModelProto, along_input: bool = True) -> onnx.ModelProto:
+    """``model`` with every stacked expert weight W as DequantizeLinear of int4 codes.
+
+    Blocks of 32 along the input axis (axis 2 of ``[E, out, in]``, 1 of ``[E, in, out]``), or
+    along the output axis when not ``along_input``; symmetric (no zero point); opset 21 for
+    int4 and ``block_size``.
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    nodes = []
+    for name in stacked(m, 3):
+        w = initializer(m, name)
+        matmul = next(
+            n
+            for n in m.graph.node
+            if n.op_type == "MatMul"
+            and any(
+                producer(m, i).op_type == "GatherND" and producer(m, i).input[0] == name
+                for i in n.input
+            )
+        )
+        # weights on the left of the MatMul are [E, out, in], on the right [E, in, out]
+        on_left = producer(m, matmul.input[0]).op_type == "GatherND"
+        axis = 2 if on_left == along_input else 1
+        q, s = int4_blocked(w, axis)
+        set_initializer(m, name, None)
+        m.graph.initializer.append(
+            helper.make_tensor(f"{name}_q", onnx.TensorProto.INT4, q.shape, q.reshape(-1).tolist())
+        )
+        m.graph.initializer.append(nh.from_array(s, f"{name}_scale"))
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [f"{name}_q", f"{name}_scale"],
+                [name],
+                name=f"dq_{name}",
+                axis=axis,
+                block_size=32,
+            )
+        )
+    nodes.extend(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    for opset in m.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, 21)
+    del m.graph.value_info[:]
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+# -- the exports -------------------------------------------------------------------------------
+
+
+def test_every_batched_mm_export_is_expected_to_fuse() -> None:
+    batched = sorted(p.stem for p in EXPORTED.glob("*_batched_mm*.onnx"))
+    assert batched == FUSING
+    assert UNFUSED == ["mixtral_eager_torchscript", "mixtral_grouped_mm"]
+
+
+def test_grouped_mm_export_fuses_like_its_batched_mm_twin() -> None:
+    """The sorted per-expert form (canonicalised to the per-slot form on the working copy).
+
+    Its record predates that canonicalisation and still says "left unchanged"; it holds the same
+    weights as ``mixtral_batched_mm``, so it must fuse into the same MoE and match PyTorch.
+    """
+    original = load("mixtral_grouped_mm")
+    result = fuse(original)
+    assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
+    attrs = node_attributes(fused_node(result.model))
+    twin = node_attributes(fused_node(fuse(load("mixtral_batched_mm")).model))
+    assert attrs == twin
+    counts = collections.Counter(n.op_type for n in result.model.graph.node)
+    for gone in ("TopK", "CumSum", "ScatterND", "MatMul"):
+        assert counts[gone] == 0, f"a {gone} survived: {counts}"
+    stored = np.load(EXPORTED / "mixtral_grouped_mm.npz")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        result.model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+    )
+    got = session.run(None, {"hidden_states": stored["hidden_states"]})[0]
+    err = np.abs(got - stored["output"]).max() / np.abs(stored["output"]).max()
+    assert err <= RTOL, f"ORT (fused) vs PyTorch rel err {err:.2e}"
+    assert_matches_reference(original, result.model)
+
+
+@pytest.mark.parametrize("name", FUSING)
+def test_export_fuses_as_recorded(name: str) -> None:
+    record, original = RECORDS[name], load(name)
+    result = fuse(original)
+    counts = collections.Counter((n.domain or "", n.op_type) for n in result.model.graph.node)
+    emitted = {op: c for (domain, op), c in counts.items() if domain == MS}
+    assert emitted == {op: c for op, c in record["expected"]}
+    for op, c in record["kept_ops"]:
+        assert counts[("", op)] == c, f"{c} {op} expected, {counts[('', op)]} left"
+    for gone in ("TopK", "Softmax", "GatherND", "MatMul", "Split", "Slice", "Clip", "ReduceSum"):
+        assert counts[("", gone)] == 0, f"a {gone} survived"
+    assert not result.report.near_misses, result.report.near_misses
+    (fusion,) = result.report.fusions
+    assert fusion["rule"] == "BatchedFusedSwiGLUMoELayer[reshape_reduce_sum]"
+    replaced_ops = {n.op_type for n in original.graph.node if n.name in fusion["replaced"]}
+    assert {"TopK", "GatherND", "MatMul", "ReduceSum"} <= replaced_ops
+    node = fused_node(result.model)
+    attrs = node_attributes(node)
+    assert set(attrs) == REQUIRED_ATTRIBUTES["MoE"]
+    want = {"swiglu_limit": math.inf, "use_sparse_mixer": 0, **record["expected_attributes"]}
+    for key, value in want.items():
+        assert attrs[key] == pytest.approx(value), (key, attrs[key], value)
+        assert fusion["attributes"][key] == pytest.approx(value), key
+    # router_probs are the router Gemm's logits; weights output-major, SwiGLU rows interleaved
+    assert producer(result.model, node.input[1]).op_type == "Gemm"
+    e = record["computes"]["num_experts"]
+    inter = record["config"].get("moe_intermediate_size", record["config"]["intermediate_size"])
+    weights = {t.name: t for t in result.model.graph.initializer}
+    assert list(weights[node.input[2]].dims) == [e, 2 * inter, 64]
+    assert list(weights[node.input[4]].dims) == [e, 64, inter]
+    has_bias = record["family"] == "gpt_oss"
+    assert (node.input[3] != "") == has_bias and (len(node.input) == 6) == has_bias
+    onnx.checker.check_model(result.model, full_check=True)
+
+
+@pytest.mark.parametrize("name", FUSING)
+def test_fused_export_matches_pytorch_and_reference(name: str) -> None:
+    original = load(name)
+    fused = fuse(original).model
+    stored = np.load(EXPORTED / f"{name}.npz")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        fused.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+    )
+    got = session.run(None, {"hidden_states": stored["hidden_states"]})[0]
+    err = np.abs(got - stored["output"]).max() / np.abs(stored["output"]).max()
+    assert err <= RTOL, f"ORT (fused) vs PyTorch rel err {err:.2e}"
+    assert_matches_reference(original, fused)
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [("mixtral_eager_torchscript", "one-hot mask")],
+)
+def test_unfused_forms_left_unchanged_with_reason(name: str, words: str) -> None:
+    """One near miss, at the routing TopK (not at the argsort TopK of grouped_mm)."""
+    assert name in UNFUSED
+    reason = refused(load(name), words)
+    assert reason.startswith("not recognised") and "left as it is" in reason
+    (miss,) = fuse(load(name)).report.near_misses
+    router_topk = next(n for n in load(name).graph.node if n.op_type == "TopK")
+    assert miss["topk"] == router_topk.name
+
+
+# -- quantized variants: QMoE ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "limit"), [("qwen3_moe_batched_mm", math.inf), ("gpt_oss_batched_mm", 7.0)]
+)
+def test_int4_blocked_variant_fuses_into_qmoe(name: str, limit: float) -> None:
+    """Weights W -> DequantizeLinear(int4, blocks of 32 along `in`): QMoE 4-bit, block 32.
+
+    Qwen3 stores ``[E, out, in]``, gpt-oss ``[E, in, out]`` (with float biases); I is trimmed to
+    32 so that 32 divides both H and I.
+    """
+    original = quantized(with_inter(load(name), 32))
+    result = fuse(original)
+    assert [f["op"] for f in result.report.fusions] == ["QMoE"], result.report.near_misses
+    node = fused_node(result.model)
+    attrs = node_attributes(node)
+    assert set(attrs) == REQUIRED_ATTRIBUTES["QMoE"]
+    assert attrs["expert_weight_bits"] == 4 and attrs["block_size"] == 32
+    assert attrs["activation_type"] == "swiglu" and attrs["swiglu_fusion"] == 1
+    assert attrs["normalize_routing_weights"] == 1
+    assert attrs["swiglu_limit"] == pytest.approx(limit)
+    e, k = RECORDS[name]["computes"]["num_experts"], RECORDS[name]["computes"]["top_k"]
+    assert attrs["k"] == k
+    weights = {t.name: nh.to_array(t) for t in result.model.graph.initializer}
+    assert weights[node.input[2]].shape == (e, 64, 32) and weights[node.input[2]].dtype == np.uint8
+    assert weights[node.input[3]].shape == (e, 64, 2)  # fc1 scales [E, 2I, H / 32]
+    assert weights[node.input[5]].shape == (e, 64, 16)
+    assert weights[node.input[6]].shape == (e, 64, 1)
+    assert (node.input[4] != "") == (name == "gpt_oss_batched_mm")
+    kinds = {n.op_type for n in result.model.graph.node}
+    assert not kinds & {"DequantizeLinear", "GatherND", "TopK"}
+    assert_matches_reference(original, result.model)
+
+
+def test_int4_blocked_along_output_axis_refused() -> None:
+    """QMoE blocks along the reduction axis; [E, out, in] blocked along axis 1 is the wrong one."""
+    refused(quantized(with_inter(load("mixtral_batched_mm"), 32), along_input=False), "axis 2 of")
+
+
+def test_int4_unnormalised_routing_refused() -> None:
+    """Qwen2-MoE's top-k weights are used as they are: MoE only, and MoE takes no int4."""
+    refused(quantized(with_inter(load("qwen2_moe_batched_mm"), 32)), "not renormalised")
+
+
+# -- other spellings of the flattened-rows layout ------------------------------------------------
+
+
+def test_swapped_split_halves() -> None:
+    """Gate from the second half of gate_up, up from the first: the rows are reordered."""
+    m = load("mixtral_batched_mm")
+    split = next(n for n in m.graph.node if n.op_type == "Split")
+    split.output[0], split.output[1] = split.output[1], split.output[0]
+    result = fuse(m)
+    assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
+    assert_matches_reference(m, result.model)
+
+
+def test_separate_gate_and_up_experts() -> None:
+    """Two GatherND projections (gate, up) of the same rows instead of one Split gate_up.
+
+    mixtral_batched_mm: val_30 = GatherND(val_23, val_28); bmm = MatMul(val_30, unsqueeze);
+    squeeze = Squeeze(bmm, val_22); split_split_0, split_split_1 = Split(squeeze).
+    """
+    m = load("mixtral_batched_mm")
+    gate_up = initializer(m, "val_23")
+    half = gate_up.shape[1] // 2
+    set_initializer(m, "val_23", None)
+    m.graph.initializer.extend(
+        [
+            nh.from_array(gate_up[:, :half].copy(), "w_gate"),
+            nh.from_array(gate_up[:, half:].copy(), "w_up"),
+        ]
+    )
+    parts = (("gate", "split_split_0"), ("up", "split_split_1"))
+    replace_nodes(
+        m,
+        {
+            "val_30": [
+                helper.make_node("GatherND", [f"w_{p}", "val_28"], [f"g_{p}"]) for p, _ in parts
+            ],
+            "bmm": [
+                helper.make_node("MatMul", [f"g_{p}", "unsqueeze"], [f"mm_{p}"]) for p, _ in parts
+            ],
+            "squeeze": [helper.make_node("Squeeze", [f"mm_{p}", "val_22"], [o]) for p, o in parts],
+            "split_split_0": [],
+        },
+    )
+    result = fuse(m)
+    assert [f["rule"] for f in result.report.fusions] == [
+        "BatchedGatedSwiGLUMoELayer[reshape_reduce_sum]"
+    ], result.report.near_misses
+    assert_matches_reference(m, result.model)
+
+
+def test_non_gated_experts_relu() -> None:
+    """transformers' has_gate=False: one `up` projection [E, I, H] and an element-wise activation.
+
+    mixtral_batched_mm: squeeze (FC1) -> Split -> val_34 = Sigmoid, silu, mul_45 (the
+    activation) -> unsqueeze_1 -> FC2; here mul_45 = Relu(squeeze).
+    """
+    m = load("mixtral_batched_mm")
+    gate_up = initializer(m, "val_23")
+    set_initializer(m, "val_23", np.ascontiguousarray(gate_up[:, : gate_up.shape[1] // 2]))
+    replace_nodes(
+        m,
+        {
+            "split_split_0": [],
+            "val_34": [],
+            "silu": [],
+            "mul_45": [helper.make_node("Relu", ["squeeze"], ["mul_45"])],
+        },
+    )
+    result = fuse(m)
+    assert [f["rule"] for f in result.report.fusions] == [
+        "BatchedElementwiseMoELayer[reshape_reduce_sum]"
+    ], result.report.near_misses
+    assert result.report.fusions[0]["attributes"]["activation_type"] == "relu"
+    assert_matches_reference(m, result.model)
+
+
+def _reshape_drop(m: onnx.ModelProto) -> None:
+    """FC1's ``Squeeze(bmm, [-1])`` -> ``Reshape(bmm, [0, 2I])``."""
+    m.graph.initializer.append(nh.from_array(np.array([0, 96], np.int64), "drop_shape"))
+    replace_nodes(m, {"squeeze": [helper.make_node("Reshape", ["bmm", "drop_shape"], ["squeeze"])]})
+
+
+def _short_expand_shape(m: onnx.ModelProto) -> None:
+    """``Expand(Unsqueeze(x, [1]), [1, k, 1])`` -> ``[k, 1]`` (the same broadcast)."""
+    set_input(m, "val_15", 1, np.array([2, 1], np.int64))
+
+
+def _combine_mul_swapped(m: onnx.ModelProto) -> None:
+    node = producer(m, "mul_57")
+    node.input[0], node.input[1] = node.input[1], node.input[0]
+
+
+@pytest.mark.parametrize("edit", [_reshape_drop, _short_expand_shape, _combine_mul_swapped])
+def test_equivalent_spellings_fuse(edit) -> None:
+    m = load("mixtral_batched_mm")
+    edit(m)
+    result = fuse(m)
+    assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
+    assert_matches_reference(m, result.model)
+
+
+# -- refusals: a structural constant that changes the meaning, or what MoE cannot take ---------
+
+
+def test_gate_clamped_from_below_refused() -> None:
+    m = load("gpt_oss_batched_mm")
+    set_input(m, "clamp", 1, np.array(-7.0, np.float32))  # Clip(gate, "", 7) -> Clip(gate, -7, 7)
+    refused(m, "is not min(gate, limit)")
+
+
+def test_repeat_count_not_k_refused() -> None:
+    m = load("mixtral_batched_mm_hf_table")  # Tile(Unsqueeze(x, [1]), [1, k, 1])
+    tile = next(n for n in m.graph.node if n.op_type == "Tile")
+    set_input(m, tile.output[0], 1, np.array([1, 3, 1], np.int64))
+    refused(m, "does not repeat each token exactly k = 2 times")
+
+
+def test_combine_reshape_not_token_slots_refused() -> None:
+    """Reshape [-1, k, H] -> [k, -1, H]: a valid shape, but it sums rows of different tokens."""
+    m = load("qwen3_moe_batched_mm")
+    reduce = next(
+        n
+        for n in m.graph.node
+        if n.op_type == "ReduceSum" and producer(m, n.input[0]).op_type == "Reshape"
+    )
+    set_input(m, reduce.input[0], 1, np.array([4, -1, 64], np.int64))
+    refused(m, "restore the [t, k, h] slots")
+
+
+@pytest.mark.parametrize(
+    ("output", "index", "value", "words"),
+    [
+        ("val_28", 1, [0], "does not make the flat ids [t*k, 1]"),  # ids Unsqueeze axis 0
+        ("view_3", 1, [2, -1], "does not flatten the top-k ids"),  # ids Reshape [2, -1]
+        ("unsqueeze", 1, [1], "does not make each fc1 input a column"),  # [R, 1, K]
+        ("view_5", 1, [2, -1], "does not flatten the routing weights"),  # as [k, T]
+        ("sum_2", 1, [0], "does not sum over the k slots"),
+    ],
+)
+def test_structural_constant_refused(output: str, index: int, value: list, words: str) -> None:
+    """A constant of mixtral_batched_mm changed so that the layer means something else."""
+    m = load("mixtral_batched_mm")
+    set_input(m, output, index, np.array(value, np.int64))
+    refused(m, words)
+
+
+def test_gather_nd_batch_dims_refused() -> None:
+    m = load("mixtral_batched_mm")
+    gather = next(n for n in m.graph.node if n.op_type == "GatherND")
+    next(a for a in gather.attribute if a.name == "batch_dims").i = 1
+    refused(m, "batch_dims 1")
+
+
+def test_expert_weights_graph_input_refused() -> None:
+    m = load("mixtral_batched_mm")
+    (_, w2) = stacked(m, 3)
+    array = initializer(m, w2)
+    set_initializer(m, w2, None)
+    m.graph.input.append(helper.make_tensor_value_info(w2, onnx.TensorProto.FLOAT, array.shape))
+    refused(m, "not constant")
+
+
+def test_escaping_fc1_output_refused() -> None:
+    m = load("gpt_oss_batched_mm")
+    m.graph.output.append(helper.make_tensor_value_info("add_46", onnx.TensorProto.FLOAT, None))
+    reason = refused(m, "escape")
+    assert "add_46" in reason
+
+
+def test_only_qmoe_leaves_float_export_unchanged() -> None:
+    refused(load("qwen2_moe_batched_mm"), "not among the requested ops", only={"QMoE"})

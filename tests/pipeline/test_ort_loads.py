@@ -1,0 +1,126 @@
+"""Every fused sample loads (and runs) in the ORT package of its target.
+
+* ``ort-cpu``: onnxruntime 1.32 CPU (this venv) runs every sample fused for ort-cpu, and its
+  outputs match the original's on the reference path (the checker's ``ort`` path).
+* ``ort-webgpu``: onnxruntime-webgpu 1.27 (its own venv, ``.venv-webgpu`` or
+  ``ORT_WEBGPU_PYTHON``: it installs as ``onnxruntime`` too) loads every sample fused for
+  ort-webgpu with its CPU provider, which checks the same com.microsoft schema (Debian's Mesa
+  lavapipe gives its WebGPU provider no adapter), and runs those it has CPU kernels for, which
+  must match the reference; MatMulNBitsQkv (a WebGPU kernel only) is schema-checked only. As a
+  control, a QMoE fused for ort-cpu (``weights_prepacked``, ``accuracy_level``) is refused.
+
+On CI the webgpu venv must exist; elsewhere its tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
+from onnx_moe_fuse.samples import all_samples
+from onnx_moe_fuse.verify.checker import ort_inexact_reasons, verify
+from onnx_moe_fuse.verify.reference import random_feeds, run_reference
+
+ON_CI = os.environ.get("CI", "").lower() == "true"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("webgpu_load.py")
+FUSING = [s for s in all_samples(kind="all") if s.expected]
+
+
+def _fused(sample, target: str) -> tuple[onnx.ModelProto, FusionReport]:
+    model = ir.serde.deserialize_model(sample.model)
+    report = FusionReport()
+    fusion_pipeline(report, None, target)(model)
+    return ir.serde.serialize_model(model), report
+
+
+def _webgpu_python() -> str:
+    python = os.environ.get("ORT_WEBGPU_PYTHON") or str(ROOT / ".venv-webgpu" / "bin" / "python")
+    if not Path(python).is_file():
+        if ON_CI:
+            pytest.fail(f"onnxruntime-webgpu venv missing on CI: {python}")
+        pytest.skip(
+            "no onnxruntime-webgpu venv (run scripts/bootstrap.sh test, or set ORT_WEBGPU_PYTHON)"
+        )
+    return python
+
+
+@pytest.mark.parametrize("sample", FUSING, ids=[s.name for s in FUSING])
+def test_fused_for_cpu_runs_in_onnxruntime_cpu(sample):
+    pytest.importorskip("onnxruntime")
+    fused, report = _fused(sample, "ort-cpu")
+    assert not any(n.op_type == "MatMulNBitsQkv" for n in fused.graph.node)
+    result = verify(sample.model, fused, seeds=(3,), paths=("ort",))
+    assert result.paths["ort"].status == "passed", result.summary()
+
+
+def _webgpu_job(tmp_path: Path, models: dict[str, onnx.ModelProto]) -> dict:
+    job = []
+    for name, model in models.items():
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(model, path)
+        np.savez(tmp_path / f"{name}.in.npz", **random_feeds(model, 7))
+        job.append(
+            {
+                "name": name,
+                "model": str(path),
+                "feeds": str(tmp_path / f"{name}.in.npz"),
+                "outputs": str(tmp_path / f"{name}.out.npz"),
+            }
+        )
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    done = subprocess.run(
+        [_webgpu_python(), str(SCRIPT), str(tmp_path / "job.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_sample_fused_for_webgpu_loads_in_onnxruntime_webgpu(tmp_path):
+    _webgpu_python()  # skip early, before fusing
+    models, originals = {}, {}
+    for sample in FUSING:
+        fused, report = _fused(sample, "ort-webgpu")
+        if report.fusions:  # a float MoE layer is left as it was for ort-webgpu
+            models[sample.name] = fused
+            originals[sample.name] = sample.model
+    assert len(models) >= 20
+    results = _webgpu_job(tmp_path, models)
+    assert results.pop("onnxruntime") == "1.27.0"
+    failed = {k: v["error"] for k, v in results.items() if v["status"] == "failed"}
+    assert not failed, failed
+    for name, result in results.items():
+        has_qkv = any(n.op_type == "MatMulNBitsQkv" for n in models[name].graph.node)
+        assert result["status"] == ("schema-only" if has_qkv else "ran"), (name, result)
+        if has_qkv:
+            continue
+        got = dict(np.load(tmp_path / f"{name}.out.npz"))
+        feeds = dict(np.load(tmp_path / f"{name}.in.npz"))
+        want = run_reference(originals[name], feeds)
+        rtol = 5e-2 if ort_inexact_reasons(models[name]) else 1e-4
+        for out, ref in want.items():
+            err = float(np.max(np.abs(got[out].astype(np.float64) - ref)))
+            assert err <= max(rtol * float(np.max(np.abs(ref))), 1e-6), (name, out, err)
+
+
+def test_onnxruntime_webgpu_refuses_the_cpu_attribute_set(tmp_path):
+    """The control: why ort-webgpu needs its own attribute set (the fact is re-measured)."""
+    _webgpu_python()
+    sample = next(s for s in FUSING if s.name == "mixtral_dec_int4b32")
+    fused, _ = _fused(sample, "ort-cpu")
+    results = _webgpu_job(tmp_path, {"cpu_qmoe": fused})
+    error = results["cpu_qmoe"]["error"]
+    assert results["cpu_qmoe"]["status"] == "failed"
+    assert "unknown attributes ['accuracy_level', 'weights_prepacked']" in error
+    assert "Unrecognized attribute" in error.partition("ORT: ")[2]  # ORT's own schema check
