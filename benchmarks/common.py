@@ -96,7 +96,7 @@ def copy_bandwidth(device: Any, nbytes: int = 256 << 20, runs: int = 10) -> floa
     """
     import wgpu
 
-    from onnx_moe_fuse.kernels.runtime import _timestamp_period_ns
+    from onnx_moe_fuse.kernels.runtime import timestamp_period_ns
 
     d = device.device
     nbytes = min(nbytes, device.limits["maxStorageBufferBindingSize"] // 16 * 16)
@@ -146,7 +146,7 @@ def copy_bandwidth(device: Any, nbytes: int = 256 << 20, runs: int = 10) -> floa
         encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
         d.queue.submit([encoder.finish()])
         ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
-        seconds = list((ticks[1::2] - ticks[0::2]) * _timestamp_period_ns(d) * 1e-9)
+        seconds = list((ticks[1::2] - ticks[0::2]) * timestamp_period_ns(d) * 1e-9)
     else:
         seconds = []
         for _ in range(runs):
@@ -165,7 +165,7 @@ def _gpu_seconds(device: Any, encode: Callable[[Any, dict | None], None], runs: 
     """Seconds per run of ``encode`` (one compute pass), by timestamps where available."""
     import wgpu
 
-    from onnx_moe_fuse.kernels.runtime import _timestamp_period_ns
+    from onnx_moe_fuse.kernels.runtime import timestamp_period_ns
 
     d = device.device
     warm = d.create_command_encoder(label="bench.warmup")
@@ -203,7 +203,7 @@ def _gpu_seconds(device: Any, encode: Callable[[Any, dict | None], None], runs: 
     d.queue.submit([encoder.finish()])
     ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
     resolved.destroy()
-    return list((ticks[1::2] - ticks[0::2]) * _timestamp_period_ns(d) * 1e-9)
+    return list((ticks[1::2] - ticks[0::2]) * timestamp_period_ns(d) * 1e-9)
 
 
 def fma_rate(device: Any, runs: int = 10) -> float:

@@ -53,11 +53,11 @@ from onnx_moe_fuse.io.model_check import all_tensors, is_external
 from onnx_moe_fuse.io.model_io import (
     EXTERNAL_SIZE_THRESHOLD,
     PROTOBUF_LIMIT,
-    _fsync,
-    _move_into_place,
     check_model_file,
     data_file_for,
+    fsync_path,
     input_files,
+    move_into_place,
 )
 from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line
 from onnx_moe_fuse.io.weight_sink import ScratchFileSink
@@ -246,8 +246,8 @@ def fuse_file(
             names = _write(model, report, src, tmp, out.name, data.name, external)
             for name in names:
                 os.chmod(tmp / name, new_file_mode())
-                _fsync(tmp / name)
-            _move_into_place(tmp, folder, names, out.name)
+                fsync_path(tmp / name)
+            move_into_place(tmp, folder, names, out.name)
         except OSError as exc:
             if isinstance(exc, MoEFuseError):
                 raise

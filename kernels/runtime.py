@@ -170,7 +170,7 @@ def _warm_up(d: Any, commands: list[_Command], label: str, runs: int, seconds: f
             batch *= 2
 
 
-def _timestamp_period_ns(device: Any) -> float:
+def timestamp_period_ns(device: Any) -> float:
     """Nanoseconds per timestamp tick (wgpu-py has no wrapper; ask wgpu-native)."""
     try:
         from wgpu.backends.wgpu_native._api import libf
@@ -459,7 +459,7 @@ class Kernel:
             encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
             d.queue.submit([encoder.finish()])
             ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
-            period_ns = _timestamp_period_ns(d)
+            period_ns = timestamp_period_ns(d)
             seconds = (ticks[1::2] - ticks[0::2]) * period_ns * 1e-9
             return [float(t) for t in seconds], "gpu-timestamps"
         finally:
@@ -508,7 +508,7 @@ class Kernel:
             d.queue.submit([encoder.finish()])
             ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64)
             seconds = np.diff(ticks.astype(np.float64).reshape(runs, marks), axis=1)
-            seconds *= _timestamp_period_ns(d) * 1e-9
+            seconds *= timestamp_period_ns(d) * 1e-9
             resolved.destroy()
             labels = [c.label.rsplit(".", 1)[-1] for c in commands]
             return [(lab, float(np.median(seconds[:, i]))) for i, lab in enumerate(labels)]

@@ -304,12 +304,12 @@ def _write_files(
     return [data_name, name] if (tmp / data_name).exists() else [name]
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _move_into_place(tmp: Path, folder: Path, names: list[str], model_name: str) -> None:
+def move_into_place(tmp: Path, folder: Path, names: list[str], model_name: str) -> None:
     moved: list[tuple[Path, Path | None]] = []  # (final path, backup of what it replaced)
     try:
         for name in names:
@@ -391,8 +391,8 @@ def save_model_atomic(
         mode = new_file_mode()  # onnx creates its data file 0600
         for name in names:
             os.chmod(tmp / name, mode)
-            _fsync(tmp / name)
-        _move_into_place(tmp, folder, names, out.name)
+            fsync_path(tmp / name)
+        move_into_place(tmp, folder, names, out.name)
     except OSError as exc:
         raise OutputWriteError(
             f"cannot write {str(out)!r}: {exc.strerror or one_line(exc)}; nothing was written",

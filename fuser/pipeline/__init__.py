@@ -39,64 +39,24 @@ One pass a module: :mod:`.fuse_moe_layers`, :mod:`.fuse_qkv`, :mod:`.remove_dead
 tracer and reasons in :mod:`.near_misses`.
 """
 
-from __future__ import annotations
+import lazy_loader
 
-from collections.abc import Iterable
-
-import onnx_ir as ir
-
-from onnx_moe_fuse.contract import targets as ort_contract
-from onnx_moe_fuse.pipeline.common import ALL_FUSED_OPS, INTERNAL_DOMAIN
-from onnx_moe_fuse.pipeline.fuse_moe_layers import FuseMoELayersPass
-from onnx_moe_fuse.pipeline.fuse_qkv import FuseQkvPass
-from onnx_moe_fuse.pipeline.fused_nodes_check import REQUIRED_ATTRIBUTES, FusedNodesCheckPass
-from onnx_moe_fuse.pipeline.lower_opset import OPSET_CHANGES, LowerOpsetPass
-from onnx_moe_fuse.pipeline.near_misses import NearMissTracer
-from onnx_moe_fuse.pipeline.remove_dead_code import RemoveDeadCodePass
-from onnx_moe_fuse.pipeline.report import FusionReport
-from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
-
-__all__ = [
-    "INTERNAL_DOMAIN",
-    "OPSET_CHANGES",
-    "REQUIRED_ATTRIBUTES",
-    "FusionReport",
-    "NearMissTracer",
-    "FuseMoELayersPass",
-    "FuseQkvPass",
-    "ALL_FUSED_OPS",
-    "RemoveDeadCodePass",
-    "LowerOpsetPass",
-    "FusedNodesCheckPass",
-    "fusion_pipeline",
-]
-
-
-def fusion_pipeline(
-    report: FusionReport | None = None,
-    only: Iterable[str] | None = None,
-    target: str = ort_contract.DEFAULT_TARGET,
-    weight_sink: WeightSink | None = None,
-) -> ir.passes.PassManager:
-    """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results.
-
-    ``weight_sink`` receives every repacked weight (:mod:`onnx_moe_fuse.io.weight_sink`; default in
-    memory): the command line's streaming path spills them to a scratch file.
-
-    ``only`` names the ops that may be emitted (default: all of :data:`ALL_FUSED_OPS`);
-    ``target`` (one of :data:`onnx_moe_fuse.contract.targets.TARGETS`, default
-    ``"ort-cpu"``) the runtime the fused nodes are written for: only ops it has kernels for are
-    emitted, each with the attribute set it takes. ``ValueError`` for an unknown op or target.
-    """
-    report = report if report is not None else FusionReport()
-    report.target = ort_contract.check_target(target)
-    return ir.passes.PassManager(
-        [
-            FuseMoELayersPass(report, only, target, weight_sink),
-            FuseQkvPass(report, only, target, weight_sink),
-            RemoveDeadCodePass(report),
-            LowerOpsetPass(report, target),
-            FusedNodesCheckPass(target),
-        ],
-        steps=1,
-    )
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "compose": [
+            "INTERNAL_DOMAIN",
+            "OPSET_CHANGES",
+            "REQUIRED_ATTRIBUTES",
+            "FusionReport",
+            "NearMissTracer",
+            "FuseMoELayersPass",
+            "FuseQkvPass",
+            "ALL_FUSED_OPS",
+            "RemoveDeadCodePass",
+            "LowerOpsetPass",
+            "FusedNodesCheckPass",
+            "fusion_pipeline",
+        ]
+    },
+)

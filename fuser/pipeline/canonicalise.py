@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_moe_fuse.pipeline.splice import ORIGIN_KEY
-from onnx_moe_fuse.rewrites.canonical import canonicalisation_passes
+from onnx_moe_fuse.rewrites.canonical.passes import canonicalisation_passes
 
 __all__ = ["canonicalise"]
 

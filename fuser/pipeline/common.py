@@ -33,7 +33,7 @@ _RULE_PREFIXES = (*(cls.__name__ for cls in RULE_CLASSES), f"{qkv.FUSED_OP}[")
 _RULE_NAME_TAG = "pkg.onnxscript.rewriter.rule_name"
 
 
-def _label(node: ir.Node | None) -> str | None:
+def label(node: ir.Node | None) -> str | None:
     if node is None:
         return None
     if node.name:
@@ -42,13 +42,13 @@ def _label(node: ir.Node | None) -> str | None:
     return f"{node.op_type}({out})"
 
 
-def _source_label(item: ir.Node | ir.Value) -> str:
+def source_label(item: ir.Node | ir.Value) -> str:
     if isinstance(item, ir.Node):
-        return _label(item) or ""
-    return item.name or f"output {item.index()} of {_label(item.producer())}"
+        return label(item) or ""
+    return item.name or f"output {item.index()} of {label(item.producer())}"
 
 
-def _rule_name(node: ir.Node) -> str | None:
+def rule_name(node: ir.Node) -> str | None:
     """The layer rule that emitted ``node``.
 
     onnxscript tags a replacement node with the rule's name, then appends (", ") the tags the
@@ -59,11 +59,11 @@ def _rule_name(node: ir.Node) -> str | None:
     return next((r for r in tag.split(", ") if r.startswith(_RULE_PREFIXES)), None)
 
 
-def _fused_nodes(graph: ir.Graph) -> list[ir.Node]:
+def fused_nodes(graph: ir.Graph) -> list[ir.Node]:
     return [n for n in graph if n.domain == MS_DOMAIN and REPLACED_KEY in n.metadata_props]
 
 
-def _attr_value(attr: ir.Attr) -> Any:
+def attr_value(attr: ir.Attr) -> Any:
     """A plain Python value; a FLOAT attribute as the shortest decimal of its float32."""
     v = attr.value
     if isinstance(v, bytes):

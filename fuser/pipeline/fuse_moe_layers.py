@@ -15,21 +15,21 @@ from onnx_moe_fuse.contract import targets as ort_contract
 from onnx_moe_fuse.pipeline.canonicalise import canonicalise
 from onnx_moe_fuse.pipeline.common import (
     ALL_FUSED_OPS,
-    _attr_value,
-    _fused_nodes,
-    _label,
-    _rule_name,
+    attr_value,
+    fused_nodes,
+    label,
+    rule_name,
 )
 from onnx_moe_fuse.pipeline.near_misses import (
     GENERIC_UNRECOGNISED,
     NearMissTracer,
-    _recognised_dense,
-    _unrecognised_reason,
+    recognised_dense,
+    unrecognised_reason,
 )
 from onnx_moe_fuse.pipeline.report import (
     FusionReport,
-    _near_miss,
-    _split_part,
+    near_miss,
+    split_part,
 )
 from onnx_moe_fuse.pipeline.splice import SpliceRefusal, origin_tail, splice_fused_node, tag_origin
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
@@ -43,7 +43,7 @@ from onnx_moe_fuse.rewrites.moe.routers import classify_router
 from onnx_moe_fuse.rewrites.moe.rule_base import LAYER_OUT_KEY, TOPK_KEY
 
 
-def _emitted(only: Iterable[str] | None) -> frozenset[str]:
+def emitted(only: Iterable[str] | None) -> frozenset[str]:
     """The ops ``only`` names (default: every op); ``ValueError`` for an unknown one."""
     emit = ALL_FUSED_OPS if only is None else frozenset(only)
     if not emit <= ALL_FUSED_OPS:
@@ -91,10 +91,10 @@ def _producer_of(graph: ir.Graph, name: str | None) -> ir.Node | None:
     return next((n for n in graph if n.outputs and n.outputs[0].name == name), None)
 
 
-def _apply_target_attributes(node: ir.Node, target: str) -> None:
+def apply_target_attributes(node: ir.Node, target: str) -> None:
     """Give the fused ``node`` the attribute set ``target`` takes (ort_contract)."""
     attrs = ort_contract.node_attributes(
-        node.op_type, {k: _attr_value(a) for k, a in node.attributes.items()}, target
+        node.op_type, {k: attr_value(a) for k, a in node.attributes.items()}, target
     )
     node.attributes.clear()
     for attr in ir.convenience.convert_attributes(attrs):
@@ -123,7 +123,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
         super().__init__()
         self.weight_sink = weight_sink
-        self.emit = _emitted(only) & FUSED_OPS
+        self.emit = emitted(only) & FUSED_OPS
         self.target = ort_contract.check_target(target)
         self.report = report if report is not None else FusionReport()
 
@@ -134,7 +134,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         # the working copy shares tensor objects with the model; some onnx-ir helpers rename a
         # tensor they read (get_const_tensor names a Constant's tensor after its value), so the
         # names are put back afterwards and the model's bytes outside fused layers stay the same
-        tensor_names = _shared_tensor_names(model.graph)
+        tensor_names = shared_tensor_names(model.graph)
         work = model.clone()
         tag_origin(work.graph)
         self.report.canonicalisation.extend(canonicalise(work))
@@ -147,33 +147,33 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         spliced = 0
         fused_roots: set[str] = set()
         fused_topks: set[str] = set()
-        for node in _fused_nodes(work.graph):
+        for node in fused_nodes(work.graph):
             layer_out = node.metadata_props.get(LAYER_OUT_KEY, "")
             fused_topks.add(node.metadata_props.get(TOPK_KEY, ""))
             reason = _target_refusal(node, self.target)
             if reason is not None:
                 self.report.near_misses.append(
-                    _near_miss(
-                        rule=_rule_name(node),
+                    near_miss(
+                        rule=rule_name(node),
                         part="target",
                         node=layer_out,
                         reason=reason,
                         root=layer_out,
-                        topk=_label(_producer_of(work.graph, node.metadata_props.get(TOPK_KEY))),
+                        topk=label(_producer_of(work.graph, node.metadata_props.get(TOPK_KEY))),
                         router=None,
                         values=[],
                     )
                 )
                 continue
-            _apply_target_attributes(node, self.target)
+            apply_target_attributes(node, self.target)
             # the proved output, or a Reshape after it that the original has (a split moved out)
             last, replaces = origin_tail(node, layer_out, model.graph)
             try:
                 result = splice_fused_node(model, node, replaces, last=last)
             except SpliceRefusal as refusal:
                 self.report.near_misses.append(
-                    _near_miss(
-                        rule=_rule_name(node),
+                    near_miss(
+                        rule=rule_name(node),
                         part="region",
                         node=refusal.value or layer_out,
                         reason=refusal.reason,
@@ -190,10 +190,10 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 {
                     "op": result.node.op_type,
                     "name": result.node.name,
-                    "rule": _rule_name(result.node),
+                    "rule": rule_name(result.node),
                     "replaced": list(result.replaced),
                     "kept": list(result.kept),
-                    "attributes": {k: _attr_value(a) for k, a in result.node.attributes.items()},
+                    "attributes": {k: attr_value(a) for k, a in result.node.attributes.items()},
                 }
             )
             for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
@@ -221,16 +221,16 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
-            part, reason = _split_part(a.reason)
+            part, reason = split_part(a.reason)
             self.report.near_misses.append(
-                _near_miss(
+                near_miss(
                     rule=a.rule,
                     part=part,
-                    node=a.values[0] if a.values else _label(a.root),
+                    node=a.values[0] if a.values else label(a.root),
                     reason=reason,
-                    root=_label(a.root),
-                    topk=_label(a.topk),
-                    router=_label(a.router),
+                    root=label(a.root),
+                    topk=label(a.topk),
+                    router=label(a.router),
                     values=a.values,
                 )
             )
@@ -241,8 +241,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 continue
             if node.outputs[0].name in fused_topks:
                 continue
-            reason = _unrecognised_reason(node)
-            dense = _recognised_dense(node, reason)
+            reason = unrecognised_reason(node)
+            dense = recognised_dense(node, reason)
             part = dense.part if dense is not None else None
             if dense is not None:
                 reason = dense.reason  # the pass recognised the layer: its refusal names the part
@@ -251,7 +251,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                     diagnosis = split_rows_diagnosis(work, self.emit)
                 behind = diagnosis.get(node.outputs[0].name or "")
                 if behind is not None:  # the split was not proved: the rules say what else
-                    part = _split_part(behind)[0] or "combine"
+                    part = split_part(behind)[0] or "combine"
                     reason = f"{SPLIT_UNPROVED}; with the split moved out, {behind}"
             if reason is not None:
                 # the Softmax/Sigmoid of the router (before or after the TopK), else what it reads
@@ -262,20 +262,20 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                     continue  # one near miss per router: PhiMoE's two rounds read one router
                 routers.add(id(router))
                 self.report.near_misses.append(
-                    _near_miss(
+                    near_miss(
                         rule=None,
                         part=part,
-                        node=dense.node if dense is not None else _label(node),
+                        node=dense.node if dense is not None else label(node),
                         reason=reason,
                         root=None,
-                        topk=_label(node),
-                        router=_label(router),
+                        topk=label(node),
+                        router=label(router),
                         values=list(dense.values) if dense is not None else [],
                     )
                 )
 
 
-def _shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
+def shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
     """Every initializer and Constant-attribute tensor of ``graph`` with its name now."""
     out: list[tuple[Any, str | None]] = [
         (v.const_value, v.const_value.name)

@@ -14,19 +14,19 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.contract import targets as ort_contract
 from onnx_moe_fuse.pipeline.common import (
-    _fused_nodes,
-    _label,
-    _rule_name,
+    fused_nodes,
+    label,
+    rule_name,
 )
 from onnx_moe_fuse.pipeline.fuse_moe_layers import (
-    _apply_target_attributes,
-    _emitted,
-    _shared_tensor_names,
+    apply_target_attributes,
+    emitted,
+    shared_tensor_names,
 )
 from onnx_moe_fuse.pipeline.report import (
     FusionReport,
-    _near_miss,
-    _report_fusions,
+    near_miss,
+    report_fusions,
 )
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
@@ -55,7 +55,7 @@ class FuseQkvPass(ir.passes.InPlacePass):
         """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
         super().__init__()
         self.weight_sink = weight_sink
-        self.enabled = qkv.FUSED_OP in _emitted(only)
+        self.enabled = qkv.FUSED_OP in emitted(only)
         self.target = ort_contract.check_target(target)
         self.report = report if report is not None else FusionReport()
 
@@ -73,17 +73,17 @@ class FuseQkvPass(ir.passes.InPlacePass):
             count = qkv.rules(self.weight_sink).apply_to_model(model)
             _restore_names(names)
             _restore_untyped(untyped)
-            for node in _fused_nodes(model.graph):
+            for node in fused_nodes(model.graph):
                 if node.op_type == qkv.FUSED_OP:
-                    _apply_target_attributes(node, self.target)
-            _report_fusions(model.graph, self.report)
+                    apply_target_attributes(node, self.target)
+            report_fusions(model.graph, self.report)
         else:
             _restore_names(names)
             _restore_untyped(untyped)
             self._refuse_for_target(model, reason)
         for miss in misses:
             self.report.near_misses.append(
-                _near_miss(
+                near_miss(
                     rule=miss.rule,
                     part="attention prelude",
                     node=miss.values[0] if miss.values else miss.root,
@@ -98,20 +98,20 @@ class FuseQkvPass(ir.passes.InPlacePass):
 
     def _refuse_for_target(self, model: ir.Model, reason: str) -> None:
         """A near miss for every prelude that would fuse; ``model`` is not changed."""
-        tensor_names = _shared_tensor_names(model.graph)
+        tensor_names = shared_tensor_names(model.graph)
         work = model.clone()
         qkv.rules(self.weight_sink).apply_to_model(work)  # spilled, not kept: memory stays flat
-        for node in _fused_nodes(work.graph):
+        for node in fused_nodes(work.graph):
             if node.op_type != qkv.FUSED_OP:
                 continue
             replaced = json.loads(node.metadata_props[REPLACED_KEY])
             self.report.near_misses.append(
-                _near_miss(
-                    rule=_rule_name(node),
+                near_miss(
+                    rule=rule_name(node),
                     part="target",
-                    node=replaced[0] if replaced else _label(node),
+                    node=replaced[0] if replaced else label(node),
                     reason=reason,
-                    root=replaced[0] if replaced else _label(node),
+                    root=replaced[0] if replaced else label(node),
                     topk=None,
                     router=None,
                     values=list(replaced),

@@ -9,8 +9,8 @@ from onnx_moe_fuse.pipeline.common import (
     ALL_FUSED_OPS,
     INTERNAL_DOMAIN,
     MS_DOMAIN,
-    _label,
-    _rule_name,
+    label,
+    rule_name,
 )
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     REPLACED_KEY,
@@ -47,24 +47,24 @@ class FusedNodesCheckPass(ir.passes.InPlacePass):
             for node in ir.traversal.RecursiveGraphIterator(g):
                 if node.domain.startswith(INTERNAL_DOMAIN):
                     raise ir.passes.PostconditionError(
-                        f"internal op {node.domain}.{node.op_type} survived fusion ({_label(node)})"
+                        f"internal op {node.domain}.{node.op_type} survived fusion ({label(node)})"
                     )
                 if node.domain == MS_DOMAIN and REPLACED_KEY in node.metadata_props:
                     raise ir.passes.PostconditionError(
-                        f"fused node {_label(node)} still carries the {REPLACED_KEY} marker"
+                        f"fused node {label(node)} still carries the {REPLACED_KEY} marker"
                     )
                 if node.domain != MS_DOMAIN or node.op_type not in ALL_FUSED_OPS:
                     continue
-                if not _rule_name(node):
+                if not rule_name(node):
                     continue  # a node the model already had
                 if node.op_type not in ort_contract.ops_for(self.target):
                     raise ir.passes.PostconditionError(
-                        f"fused {node.op_type} {_label(node)} was emitted for {self.target}, "
+                        f"fused {node.op_type} {label(node)} was emitted for {self.target}, "
                         "which has no kernel for it"
                     )
                 expected = ort_contract.attribute_names(node.op_type, self.target)
                 if set(node.attributes) != expected:
                     raise ir.passes.PostconditionError(
-                        f"fused {node.op_type} {_label(node)} carries attributes "
+                        f"fused {node.op_type} {label(node)} carries attributes "
                         f"{sorted(node.attributes)}, but {self.target} takes {sorted(expected)}"
                     )

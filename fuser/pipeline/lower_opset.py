@@ -10,7 +10,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.contract import targets as ort_contract
 from onnx_moe_fuse.pipeline.remove_dead_code import (
-    _AfterFusionPass,
+    AfterFusionPass,
 )
 from onnx_moe_fuse.pipeline.report import (
     FusionReport,
@@ -40,7 +40,7 @@ def _uses_op(graph_like: ir.Graph | ir.Function, ops: frozenset[str]) -> bool:
     )
 
 
-class LowerOpsetPass(_AfterFusionPass):
+class LowerOpsetPass(AfterFusionPass):
     """Lower the default-domain opset to the target's, past versions whose changes are unused.
 
     Opset 29 only adds ``GroupedMatMul`` (:data:`OPSET_CHANGES`); once fusion removed the last

@@ -16,8 +16,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from onnx_moe_fuse.pipeline.common import (
-    _label,
-    _source_label,
+    label,
+    source_label,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import (
     DenseRefusal,
@@ -54,11 +54,11 @@ def _escape_reason(nodes: Iterable[ir.Node], root: ir.Node) -> tuple[str, list[s
                 users = [u for u, _ in out.uses() if u not in inside]
                 if not users:
                     continue
-                where = f"used by {users[0].op_type} '{_label(users[0])}' outside the layer"
-            name = out.name or f"output {out.index()} of {_label(node)}"
+                where = f"used by {users[0].op_type} '{label(users[0])}' outside the layer"
+            name = out.name or f"output {out.index()} of {label(node)}"
             return (
                 f"an intermediate value escapes the layer: '{name}' ({node.op_type} "
-                f"'{_label(node)}') is also {where}",
+                f"'{label(node)}') is also {where}",
                 [name],
             )
     return "an intermediate value of the layer is used outside it", []
@@ -95,7 +95,7 @@ class NearMissTracer(pattern.MatchingTracer):
         if escape:
             reason, names = _escape_reason(match_result.nodes, node)
         else:
-            names = [_source_label(s) for s in match_result.failure_nodes_and_values]
+            names = [source_label(s) for s in match_result.failure_nodes_and_values]
         self.attempts.append(_Attempt(str(rule), node, reason, topk, router, names))
 
 
@@ -198,7 +198,7 @@ def _half_precision_near(topk: ir.Node, depth: int = 6) -> set[str]:
     return found
 
 
-def _unrecognised_reason(topk: ir.Node) -> str | None:
+def unrecognised_reason(topk: ir.Node) -> str | None:
     """Why a TopK / ArgMax whose ids select experts matched no rule (None: they select nothing).
 
     A router that MoE/QMoE cannot express is named first (:mod:`onnx_moe_fuse.rewrites.moe.routers`):
@@ -265,7 +265,7 @@ def _unrecognised_reason(topk: ir.Node) -> str | None:
     return None
 
 
-def _recognised_dense(topk: ir.Node, reason: str | None) -> DenseRefusal | None:
+def recognised_dense(topk: ir.Node, reason: str | None) -> DenseRefusal | None:
     """The dense-experts pass's refusal of a dense layer it recognised, where it explains more.
 
     For the dense messages (one-hot or scattered ids) only: the pass read this TopK's mask, so

@@ -14,7 +14,7 @@ def _fused(report: FusionReport | None) -> bool:
     return report is None or bool(report.fusions)
 
 
-class _AfterFusionPass(ir.passes.InPlacePass):
+class AfterFusionPass(ir.passes.InPlacePass):
     """A clean-up pass that, given a ``report``, acts only when the report records a fusion."""
 
     def __init__(self, report: FusionReport | None = None):
@@ -33,7 +33,7 @@ class _AfterFusionPass(ir.passes.InPlacePass):
         raise NotImplementedError
 
 
-class RemoveDeadCodePass(_AfterFusionPass):
+class RemoveDeadCodePass(AfterFusionPass):
     """Remove dead nodes and unused initializers (onnx-ir's ``RemoveUnusedNodesPass``).
 
     With a ``report``, only when it records a fusion: an unfused model stays as it was, dead code

@@ -14,9 +14,9 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.contract import targets as ort_contract
 from onnx_moe_fuse.pipeline.common import (
-    _attr_value,
-    _fused_nodes,
-    _rule_name,
+    attr_value,
+    fused_nodes,
+    rule_name,
 )
 from onnx_moe_fuse.rewrites.moe.analysis import PARTS
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
@@ -57,7 +57,7 @@ class FusionReport:
         return asdict(self)
 
 
-def _split_part(reason: str) -> tuple[str | None, str]:
+def split_part(reason: str) -> tuple[str | None, str]:
     """``"fc2: the weights ..."`` -> ``("fc2", "the weights ...")`` (the rules' check prefix)."""
     head, sep, rest = reason.partition(": ")
     if sep and head in PARTS:
@@ -65,22 +65,22 @@ def _split_part(reason: str) -> tuple[str | None, str]:
     return None, reason
 
 
-def _near_miss(**fields: Any) -> dict[str, Any]:
+def near_miss(**fields: Any) -> dict[str, Any]:
     """One near-miss record, keys in report order (see :class:`FusionReport`)."""
     keys = ("rule", "part", "node", "reason", "root", "topk", "router", "values")
     return {k: fields[k] for k in keys}
 
 
-def _report_fusions(graph: ir.Graph, report: FusionReport) -> None:
+def report_fusions(graph: ir.Graph, report: FusionReport) -> None:
     """Move each new fused node's replaced-nodes marker into a report entry."""
-    for node in _fused_nodes(graph):
+    for node in fused_nodes(graph):
         replaced = json.loads(node.metadata_props.pop(REPLACED_KEY))
         report.fusions.append(
             {
                 "op": node.op_type,
                 "name": node.name,
-                "rule": _rule_name(node),
+                "rule": rule_name(node),
                 "replaced": replaced,
-                "attributes": {k: _attr_value(a) for k, a in node.attributes.items()},
+                "attributes": {k: attr_value(a) for k, a in node.attributes.items()},
             }
         )

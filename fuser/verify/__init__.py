@@ -11,48 +11,24 @@ The public names of :mod:`.checker` load on first use (``from onnx_moe_fuse.veri
 verify``), so that importing an oracle does not import the kernels it checks.
 """
 
-from __future__ import annotations
+import lazy_loader
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-__all__ = [
-    "DEFAULT_TOLERANCES",
-    "FeedTooLargeError",
-    "ORT_INT8_ACTIVATION_RTOL",
-    "PATHS",
-    "OutputResult",
-    "PathResult",
-    "SeedError",
-    "VerificationError",
-    "VerificationReport",
-    "ort_inexact_reasons",
-    "ort_unsupported_reason",
-    "verify",
-]
-_CHECKER_NAMES = frozenset(__all__)
-
-if TYPE_CHECKING:
-    from onnx_moe_fuse.verify.checker import (
-        DEFAULT_TOLERANCES,
-        ORT_INT8_ACTIVATION_RTOL,
-        PATHS,
-        FeedTooLargeError,
-        OutputResult,
-        PathResult,
-        SeedError,
-        VerificationError,
-        VerificationReport,
-        ort_inexact_reasons,
-        ort_unsupported_reason,
-        verify,
-    )
-
-
-def __getattr__(name: str) -> Any:
-    """Load a public name of :mod:`.checker` on first use."""
-    if name not in _CHECKER_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module("onnx_moe_fuse.verify.checker"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "checker": [
+            "DEFAULT_TOLERANCES",
+            "FeedTooLargeError",
+            "ORT_INT8_ACTIVATION_RTOL",
+            "PATHS",
+            "OutputResult",
+            "PathResult",
+            "SeedError",
+            "VerificationError",
+            "VerificationReport",
+            "ort_inexact_reasons",
+            "ort_unsupported_reason",
+            "verify",
+        ]
+    },
+)

@@ -7,8 +7,7 @@ a rule must refuse what it cannot prove.
 * constants: :func:`const_array`, :func:`const_ints`, :func:`const_float`, :func:`node_axes`;
 * static ranks and last dims of values: :func:`static_rank`, :func:`static_last_dim`;
 * symbolic shapes (:class:`Dim`, :func:`reshape_dims`, :func:`value_dims`, :func:`lead_dims`,
-  :func:`product`) live in :mod:`._symbolic_dims` and resolve from here too (a module
-  ``__getattr__``: that module reads the facts above, so it cannot be imported eagerly here);
+  :func:`product`) live in :mod:`.symbolic_dims`, which reads the facts here;
 * node labels for reports: :func:`label`.
 """
 
@@ -180,7 +179,7 @@ def normalize_axes(axes: Sequence[int], rank: int) -> list[int] | None:
 
 # -- static ranks ------------------------------------------------------------------------------
 
-_ELEMENTWISE_UNARY = frozenset(
+ELEMENTWISE_UNARY = frozenset(
     {
         "Softmax",
         "LogSoftmax",
@@ -199,7 +198,7 @@ _ELEMENTWISE_UNARY = frozenset(
         "DequantizeLinear",
     }
 )
-_ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"})
+ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"})
 
 
 def static_rank(value: ir.Value | None, _depth: int = 0) -> int | None:
@@ -219,9 +218,9 @@ def static_rank(value: ir.Value | None, _depth: int = 0) -> int | None:
     if op == "Reshape":
         shape = const_ints(ins[1]) if len(ins) > 1 else None
         return None if shape is None else len(shape)
-    if op in _ELEMENTWISE_UNARY and ins:
+    if op in ELEMENTWISE_UNARY and ins:
         return static_rank(ins[0], _depth + 1)
-    if op in _ELEMENTWISE_BINARY or op == "MatMul":
+    if op in ELEMENTWISE_BINARY or op == "MatMul":
         ranks = [static_rank(v, _depth + 1) for v in ins[:2]]
         if any(r is None for r in ranks):
             return None
@@ -270,7 +269,7 @@ def static_last_dim(value: ir.Value | None, _depth: int = 0) -> int | None:
             return None
         trans_b = attr_int(node, "transB", 0)
         return int(b.shape[0] if trans_b else b.shape[1])
-    if op in _ELEMENTWISE_BINARY:
+    if op in ELEMENTWISE_BINARY:
         dims = [static_last_dim(v, _depth + 1) for v in ins[:2]]
         known = [d for d in dims if d is not None and d != 1]
         if len(known) >= 1 and all(d is not None for d in dims):
@@ -291,15 +290,3 @@ def static_last_dim(value: ir.Value | None, _depth: int = 0) -> int | None:
         perm = list(perm_attr.value) if perm_attr is not None else list(range(arr.ndim))[::-1]
         return int(arr.shape[perm[-1]]) if len(perm) == arr.ndim else None
     return None
-
-
-_SYMBOLIC = frozenset({"Dim", "lead_dims", "product", "reshape_dims", "value_dims"})
-
-
-def __getattr__(name: str):
-    """The symbolic-shape names, from :mod:`._symbolic_dims` (imported on first use)."""
-    if name in _SYMBOLIC:
-        from onnx_moe_fuse.rewrites.graph import symbolic_dims as _symbolic_dims
-
-        return getattr(_symbolic_dims, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

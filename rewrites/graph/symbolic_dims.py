@@ -1,134 +1,65 @@
-"""Symbolic shapes of onnx-ir values: :class:`Dim` products, Reshape targets, dims as the graph fixes them.
+"""Symbolic shapes of onnx-ir values: their dims, and what shape tensors hold, as the graph fixes them.
 
-A :class:`Dim` is ``coef * sym_1 * sym_2 ...``: an integer times named factors (a symbolic dim of
-a declared shape, or an unknown size tied to the value and axis it comes from).
-:func:`reshape_dims` applies a constant ``Reshape`` target to symbolic dims; :func:`value_dims`
-and :func:`lead_dims` give the dims of a value as the graph fixes them (declared or inferred
-shapes, and what shape-preserving, broadcasting and reshaping ops imply): a static export's
-concrete token count then equals the product a Reshape target must have. The names also resolve
-from :mod:`._graph_facts`, where the other small graph facts live.
+:func:`value_dims` and :func:`lead_dims` give the dims of a value (:class:`~.dims.Dim` products)
+as the graph fixes them (declared or inferred shapes, and what shape-preserving, broadcasting
+and reshaping ops imply): a static export's concrete token count then equals the product a
+Reshape target must have.
+
+:func:`shape_value` evaluates an integer tensor of rank 0 or 1 that the graph computes from
+shapes (``Shape``, ``Size``, ``Gather``, ``Slice``, ``Concat``, ``Unsqueeze``, ``Squeeze``,
+``Reshape``, ``ReduceProd``, ``Mul``, ``Div``, ``Add``, ``Sub``) into a :class:`ShapeValue`, each
+element a ``Dim`` product (unknown sizes as symbols tied to the value and axis they come from).
+It reads declared shapes and constants only, never the data path, and returns None for anything
+it cannot prove. ``FoldShapesPass`` (``canonical/shapes/fold_shapes.py``) turns the provable
+ones into constants.
+
+The two recurse into each other (a Reshape target may be computed from shapes; a shape is read
+from dims), so they share one module and one memo per question.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.dims import (
+    Dim,
+    broadcast_dims,
+    product,
+    reduced_dims,
+    reshape_dims,
+    sliced_dims,
+    split_dims,
+    unknown_dim,
+)
 from onnx_moe_fuse.rewrites.graph.facts import (
-    _ELEMENTWISE_BINARY,
-    _ELEMENTWISE_UNARY,
+    ELEMENTWISE_BINARY,
+    ELEMENTWISE_UNARY,
     attr_int,
     const_ints,
     node_axes,
     normalize_axes,
 )
 
-__all__ = ["Dim", "lead_dims", "product", "reshape_dims", "value_dims"]
-
-
-# -- symbolic shapes ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Dim:
-    """A dimension as a product ``coef * sym_1 * sym_2 ...`` of an int and named factors."""
-
-    coef: int = 1
-    syms: tuple[str, ...] = ()
-
-    @staticmethod
-    def sym(name: str) -> Dim:
-        """A named, unknown dimension."""
-        return Dim(1, (name,))
-
-    @staticmethod
-    def of(n: int) -> Dim:
-        """A known dimension."""
-        return Dim(int(n), ())
-
-    def __mul__(self, other: Dim) -> Dim:
-        """The product of two dims."""
-        return Dim(self.coef * other.coef, tuple(sorted(self.syms + other.syms)))
-
-    def divide(self, other: Dim) -> Dim | None:
-        """``self / other`` when it is exact (as a product of factors), else None."""
-        if other.coef == 0 or self.coef % other.coef:
-            return None
-        mine, theirs = Counter(self.syms), Counter(other.syms)
-        if theirs - mine:
-            return None
-        return Dim(self.coef // other.coef, tuple(sorted((mine - theirs).elements())))
-
-    def __str__(self) -> str:
-        """E.g. ``2*M`` or ``64``."""
-        parts = ([str(self.coef)] if self.coef != 1 or not self.syms else []) + list(self.syms)
-        return "*".join(parts)
-
-
-def product(dims: Sequence[Dim]) -> Dim:
-    """The product of ``dims``."""
-    out = Dim.of(1)
-    for d in dims:
-        out = out * d
-    return out
-
-
-def reshape_dims(
-    in_dims: Sequence[Dim], shape: Sequence[int | Dim], allowzero: int = 0
-) -> list[Dim] | None:
-    """Apply ``Reshape(shape)`` to a symbolic input shape; None if not provably valid.
-
-    ``0`` copies the input dim at the same position (``allowzero=0``), ``-1`` takes what is left.
-    A target computed in the graph may hold symbolic entries (a :class:`Dim` with factors): such
-    an entry is that size, as the graph computed it.
-    """
-    out: list[Dim | None] = []
-    infer_at = None
-    for i, s in enumerate(shape):
-        if isinstance(s, Dim):
-            if s.syms:
-                out.append(s)
-                continue
-            s = s.coef
-        if s == 0 and not allowzero:
-            if i >= len(in_dims):
-                return None
-            out.append(in_dims[i])
-        elif s == -1:
-            if infer_at is not None:
-                return None
-            infer_at = i
-            out.append(None)
-        elif s > 0:
-            out.append(Dim.of(s))
-        else:
-            return None
-    total = product(in_dims)
-    known = product([d for d in out if d is not None])
-    if infer_at is None:
-        return out if known == total else None  # type: ignore[return-value]
-    rest = total.divide(known)
-    if rest is None:
-        return None
-    out[infer_at] = rest
-    return out  # type: ignore[return-value]
+__all__ = [
+    "INT64_INPUTS",
+    "SHAPE_ARITHMETIC",
+    "SHAPE_TYPES",
+    "ShapeValue",
+    "lead_dims",
+    "shape_value",
+    "value_dims",
+]
 
 
 # -- dims of values ----------------------------------------------------------------------------
 
 #: Ops whose output has the shape of their first input.
-_SAME_SHAPE = _ELEMENTWISE_UNARY - {"TopK"} | {
+_SAME_SHAPE = ELEMENTWISE_UNARY - {"TopK"} | {
     "Sqrt", "Reciprocal", "Abs", "Not", "IsNaN",
     "ScatterElements", "ScatterND", "Scatter",  # the output is the data input, updated
 }  # fmt: skip
-
-
-def _unknown(value: ir.Value, axis: int) -> Dim:
-    """A symbol for an unknown dim of ``value``, shared only with dims proved equal to it."""
-    return Dim.sym(f"{value.name or id(value)}[{axis}]")
 
 
 def value_dims(
@@ -177,7 +108,7 @@ def _value_dims(value: ir.Value, depth: int, memo: dict) -> list[Dim] | None:
         elif derived is not None:
             out.append(derived[i])
         else:
-            out.append(_unknown(value, i))
+            out.append(unknown_dim(value, i))
     return out
 
 
@@ -193,31 +124,6 @@ def lead_dims(value: ir.Value | None, count: int, prefix: str = "L") -> list[Dim
     for i in range(count):
         d = dims[i] if i < len(dims) else None
         out.append(d if d is not None and not d.syms else Dim.sym(f"{prefix}{i}"))
-    return out
-
-
-def _broadcast(a: list[Dim], b: list[Dim], out_value: ir.Value) -> list[Dim] | None:
-    """Multidirectional broadcasting of two symbolic shapes (None for an invalid pair).
-
-    Two different unknown dims make an unknown dim of ``out_value`` (the larger, at run time).
-    """
-    n = max(len(a), len(b))
-    a = [Dim.of(1)] * (n - len(a)) + a
-    b = [Dim.of(1)] * (n - len(b)) + b
-    out = []
-    for x, y in zip(a, b, strict=True):
-        if x == y or y == Dim.of(1):
-            out.append(x)
-        elif x == Dim.of(1):
-            out.append(y)
-        elif not y.syms and x.syms:  # x unknown, y a size: a valid model has x == y or x == 1
-            out.append(y)
-        elif not x.syms and y.syms:
-            out.append(x)
-        elif x.syms and y.syms:
-            out.append(_unknown(out_value, len(out)))
-        else:
-            return None  # two different sizes, neither 1: not a valid graph
     return out
 
 
@@ -255,12 +161,12 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
             return None
         return [d * Dim.of(r) for d, r in zip(first, repeats, strict=True)]
     if op == "Slice":
-        return _sliced_dims(node, first)
+        return sliced_dims(node, first)
     if op == "Split":
-        return _split_dims(node, value, first)
+        return split_dims(node, value, first)
     if op == "Expand":
         shape = const_ints(ins[1]) if len(ins) > 1 else None
-        return None if shape is None else _broadcast(first, [Dim.of(s) for s in shape], value)
+        return None if shape is None else broadcast_dims(first, [Dim.of(s) for s in shape], value)
     if op == "Transpose":
         perm = node.attributes.get("perm")
         order = list(range(len(first)))[::-1] if perm is None else [int(p) for p in perm.value]
@@ -281,7 +187,7 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         second = value_dims(ins[1], depth, memo)
         if second is None or len(first) < 2 or len(second) < 2:
             return None
-        batch = _broadcast(first[:-2], second[:-2], value)
+        batch = broadcast_dims(first[:-2], second[:-2], value)
         return None if batch is None else [*batch, first[-2], second[-1]]
     if op == "Gemm":
         second = value_dims(ins[1], depth, memo) if len(ins) > 1 else None
@@ -290,11 +196,11 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         rows = first[1] if attr_int(node, "transA", 0) else first[0]
         cols = second[0] if attr_int(node, "transB", 0) else second[1]
         return [rows, cols]
-    if op in _ELEMENTWISE_BINARY or op in _COMPARISONS:
+    if op in ELEMENTWISE_BINARY or op in _COMPARISONS:
         second = value_dims(ins[1], depth, memo) if len(ins) > 1 else None
-        return None if second is None else _broadcast(first, second, value)
+        return None if second is None else broadcast_dims(first, second, value)
     if op in _REDUCTIONS:
-        return _reduced_dims(node, first)
+        return reduced_dims(node, first)
     if op == "OneHot":
         depth_value = const_ints(ins[1]) if len(ins) > 1 else None
         axis = normalize_axes([attr_int(node, "axis", -1)], len(first) + 1)  # type: ignore[list-item]
@@ -313,22 +219,6 @@ _COMPARISONS = frozenset(
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"})
 
 
-def _reduced_dims(node: ir.Node, first: list[Dim]) -> list[Dim] | None:
-    """A reduction's dims: the reduced axes dropped, or kept as 1 (``keepdims``, the default)."""
-    axes = node_axes(node)
-    if axes is None:
-        return None
-    if not axes:  # no axes: all of them, unless noop_with_empty_axes
-        if attr_int(node, "noop_with_empty_axes", 0):
-            return first
-        axes = list(range(len(first)))
-    normal = normalize_axes(axes, len(first))
-    if normal is None:
-        return None
-    keep = attr_int(node, "keepdims", 1)
-    return [Dim.of(1) if i in normal else d for i, d in enumerate(first) if keep or i not in normal]
-
-
 def _target_dims(target: ir.Value | None, memo: dict) -> list[int | Dim] | None:
     """A Reshape / ConstantOfShape target: constant ints, or what a shape computation holds."""
     if target is None:
@@ -336,9 +226,6 @@ def _target_dims(target: ir.Value | None, memo: dict) -> list[int | Dim] | None:
     ints = const_ints(target)
     if ints is not None:
         return list(ints)
-    # the evaluator of computed shapes reads value_dims itself: imported here, not at the top
-    from onnx_moe_fuse.rewrites.graph.shape_values import shape_value
-
     computed = shape_value(target, 0, memo)
     return None if computed is None or computed.scalar else list(computed.dims)
 
@@ -352,65 +239,189 @@ def _constant_of_shape_dims(node: ir.Node, memo: dict) -> list[Dim] | None:
     return None if any(d.coef < 0 for d in dims) else dims
 
 
-def _split_dims(node: ir.Node, value: ir.Value, first: list[Dim]) -> list[Dim] | None:
-    """One ``Split`` output: its piece of the axis.
+# -- shape tensors ----------------------------------------------------------------------------
 
-    The sizes come from the input or the attribute, else equal parts of a known size (the
-    count of outputs; ``num_outputs`` rounds up, the last piece the smaller one).
+SHAPE_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
+#: Ops that compute shapes from shapes: the only ones the constant folder may evaluate.
+SHAPE_ARITHMETIC = frozenset(
+    {
+        "Shape", "Size", "Gather", "Slice", "Concat", "Squeeze", "Unsqueeze", "Reshape", "Cast",
+        "Identity", "Mul", "Div", "Add", "Sub", "Range", "ReduceProd", "Constant",
+    }
+)  # fmt: skip
+#: A shape value has at most this many elements (longer integer tensors are data).
+_MAX_RANK = 64
+#: Inputs that are int64 by the op's definition (their dtype is known without inference).
+INT64_INPUTS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "ConstantOfShape": (0,), "Split": (1,),
+    "Unsqueeze": (1,), "Squeeze": (1,), "TopK": (1,), "Slice": (1, 2, 3, 4),
+    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ShapeValue:
+    """An integer tensor of rank 0 or 1 whose elements are known as :class:`Dim` products."""
+
+    dims: tuple[Dim, ...]
+    scalar: bool
+
+    @property
+    def ints(self) -> list[int] | None:
+        """The elements as numbers, or None while one is symbolic."""
+        return None if any(d.syms for d in self.dims) else [d.coef for d in self.dims]
+
+
+#: The ops :func:`shape_value` evaluates (anything else is not a shape computation to it).
+_EVALUATED = frozenset(
+    {"Shape", "Size", "Identity", "Cast", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze",
+     "Reshape", "ReduceProd", "Mul", "Div", "Add", "Sub", "ConstantOfShape"}
+)  # fmt: skip
+
+
+def shape_value(
+    value: ir.Value | None, _depth: int = 0, _memo: dict | None = None
+) -> ShapeValue | None:
+    """What the shape tensor ``value`` holds, element by element; None when not provable.
+
+    ``_memo`` is shared with :func:`value_dims` for one question (a Reshape target computed from
+    the dims of values whose own shapes come from computed targets): each value is read once.
     """
-    axis = normalize_axes([attr_int(node, "axis", 0)], len(first))  # type: ignore[list-item]
-    if axis is None:
-        return None
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        sizes = const_ints(node.inputs[1])
-    elif "split" in node.attributes:
-        attr = node.attributes["split"]
-        sizes = None if attr.is_ref() else [int(v) for v in attr.value]
-    else:
-        whole, parts = first[axis[0]], len(node.outputs)
-        if whole.syms or parts == 0:
-            return None
-        step = -(-whole.coef // parts)  # ceil: num_outputs' last piece is the smaller one
-        sizes = [min(step, whole.coef - i * step) for i in range(parts)]
-    if sizes is None or len(sizes) != len(node.outputs) or min(sizes, default=0) < 0:
-        return None
-    whole = first[axis[0]]
-    if not whole.syms and sum(sizes) != whole.coef:
-        return None  # not a valid Split of this axis
-    out = list(first)
-    out[axis[0]] = Dim.of(sizes[value.index()])  # type: ignore[index]
+    memo = {} if _memo is None else _memo
+    key = ("shape_value", id(value))
+    if key in memo:
+        return memo[key]
+    memo[key] = None  # a cycle (an invalid graph) reads as unknown
+    memo[key] = out = _shape_value(value, _depth, memo)
     return out
 
 
-#: ``Slice`` ends at or past this reach the end of any axis (torch writes INT64_MAX).
-_TO_THE_END = 2**62
-
-
-def _sliced_dims(node: ir.Node, first: list[Dim]) -> list[Dim] | None:
-    """``Slice`` with constant starts / ends / axes / steps; a symbolic axis only if kept whole."""
-    args = [const_ints(v) if v is not None else None for v in node.inputs[1:5]]
-    if (
-        len(args) < 2
-        or args[0] is None
-        or args[1] is None
-        or any(a is None for a, v in zip(args, node.inputs[1:5], strict=False) if v is not None)
-    ):
+def _shape_value(value: ir.Value | None, _depth: int, memo: dict) -> ShapeValue | None:
+    if value is None or _depth > 32 or value.is_graph_input():
         return None
-    starts, ends = args[0], args[1]
-    axes = args[2] if len(args) > 2 and args[2] is not None else list(range(len(starts)))
-    steps = args[3] if len(args) > 3 and args[3] is not None else [1] * len(starts)
-    axes = normalize_axes(axes, len(first))
-    if axes is None or not len(starts) == len(ends) == len(axes) == len(steps):
+    if value.dtype is not None and value.dtype not in SHAPE_TYPES:
         return None
-    out = list(first)
-    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
-        d = first[axis]
-        if step == 0:
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is not None:
+        if tensor.dtype not in SHAPE_TYPES or len(tensor.shape) > 1 or tensor.size > _MAX_RANK:
             return None
-        if not d.syms:
-            out[axis] = Dim.of(len(range(*slice(start, end, step).indices(d.coef))))
-        elif start == 0 and end >= _TO_THE_END and step == 1:
-            continue  # the whole axis, whatever its size
+        arr = tensor.numpy()
+        return ShapeValue(tuple(Dim.of(int(v)) for v in arr.reshape(-1)), arr.ndim == 0)
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or value is not node.outputs[0]:
+        return None
+    if node.op_type == "Constant":  # value_int(s), as onnxscript's folder writes them
+        ints = node.attributes.get("value_ints") or node.attributes.get("value_int")
+        if ints is None or ints.is_ref():
+            return None
+        scalar = ints.name == "value_int"
+        values = [ints.value] if scalar else list(ints.value)
+        return ShapeValue(tuple(Dim.of(int(v)) for v in values), scalar)
+    if node.op_type not in _EVALUATED or (value.shape is not None and len(value.shape) > 1):
+        return None  # checked before the inputs: never a walk over the data path
+    try:
+        return _evaluate(node, _depth + 1, memo)
+    except (TypeError, ValueError, IndexError, ZeroDivisionError):  # an unreadable node: no fact
+        return None
+
+
+def _evaluate(node: ir.Node, depth: int, memo: dict) -> ShapeValue | None:
+    op, ins = node.op_type, node.inputs
+    if op == "Shape":
+        dims = value_dims(ins[0], 0, memo)
+        if dims is None:
+            return None
+        start, end = attr_int(node, "start", 0), attr_int(node, "end", None)
+        return ShapeValue(tuple(dims[start:end]), False)
+    if op == "Size":
+        dims = value_dims(ins[0], 0, memo)
+        return None if dims is None else ShapeValue((product(dims),), True)
+    args = [shape_value(v, depth, memo) for v in ins]
+    if not args or args[0] is None:
+        return None
+    first = args[0]
+    if op == "ConstantOfShape":
+        return _filled(node, first)
+    if op in ("Identity", "Cast"):
+        to = attr_int(node, "to", None)
+        ok = op == "Identity" or (to is not None and ir.DataType(to) in SHAPE_TYPES)
+        return first if ok else None
+    if op == "Gather" and len(args) > 1 and args[1] is not None and not first.scalar:
+        index = args[1].ints
+        if attr_int(node, "axis", 0) != 0 or index is None:
+            return None
+        rank = len(first.dims)
+        picked = tuple(first.dims[i + rank if i < 0 else i] for i in index)
+        return ShapeValue(picked, args[1].scalar)
+    if op == "Slice" and not first.scalar:
+        return _slice(first, args[1:])
+    if op == "Concat":
+        if attr_int(node, "axis", None) not in (0, -1) or any(a is None or a.scalar for a in args):
+            return None
+        return ShapeValue(tuple(d for a in args for d in a.dims), False)  # type: ignore[union-attr]
+    if op == "Unsqueeze" and first.scalar and node_axes(node) in ([0], [-1]):
+        return ShapeValue(first.dims, False)
+    if op in ("Squeeze", "Reshape") and len(first.dims) == 1:
+        target = const_ints(ins[1]) if op == "Reshape" and len(ins) > 1 else None
+        if op == "Squeeze" and node_axes(node) in ([], [0], [-1]):
+            return ShapeValue(first.dims, True)
+        if target is not None and target in ([], [1], [-1]):
+            return ShapeValue(first.dims, target == [])
+        return None
+    if op == "ReduceProd" and not first.scalar and node_axes(node) in ([], [0], [-1]):
+        if attr_int(node, "noop_with_empty_axes", 0) and not node_axes(node):
+            return None
+        return ShapeValue((product(first.dims),), not attr_int(node, "keepdims", 1))
+    if op in ("Mul", "Div", "Add", "Sub") and len(args) == 2 and args[1] is not None:
+        return _arithmetic(op, first, args[1])
+    return None
+
+
+def _filled(node: ir.Node, shape: ShapeValue) -> ShapeValue | None:
+    """``ConstantOfShape([n])`` with an integer fill: ``n`` copies of it (a 1-D shape, say)."""
+    count = shape.ints
+    if shape.scalar or count is None or len(count) != 1 or not 0 <= count[0] <= _MAX_RANK:
+        return None
+    attr = node.attributes.get("value")
+    if attr is None or attr.is_ref():
+        return None  # the default fill is float 0: not a shape
+    fill = attr.value
+    if fill.dtype not in SHAPE_TYPES or fill.size != 1:
+        return None
+    return ShapeValue((Dim.of(int(fill.numpy().reshape(-1)[0])),) * count[0], False)
+
+
+def _slice(data: ShapeValue, args: list[ShapeValue | None]) -> ShapeValue | None:
+    """``Slice`` of a 1-D shape along axis 0 with constant starts / ends (/ axes, steps > 0)."""
+    ints = [a.ints if a is not None else None for a in args]
+    if len(ints) < 2 or ints[0] is None or ints[1] is None or len(ints[0]) != 1:
+        return None
+    if len(ints) > 2 and ints[2] not in ([0], [-1]):
+        return None
+    step = ints[3][0] if len(ints) > 3 and ints[3] is not None else 1
+    if len(ints) > 3 and ints[3] is None or step <= 0:
+        return None
+    return ShapeValue(tuple(data.dims[ints[0][0] : ints[1][0] : step]), False)
+
+
+def _arithmetic(op: str, a: ShapeValue, b: ShapeValue) -> ShapeValue | None:
+    """Element-wise ``Mul`` / exact ``Div`` of products, ``Add`` / ``Sub`` of numbers."""
+    if len(a.dims) != len(b.dims) and 1 not in (len(a.dims), len(b.dims)):
+        return None
+    n = max(len(a.dims), len(b.dims))
+    xs = a.dims * n if len(a.dims) == 1 else a.dims
+    ys = b.dims * n if len(b.dims) == 1 else b.dims
+    out = []
+    for x, y in zip(xs, ys, strict=True):
+        if op == "Mul":
+            out.append(x * y)
+        elif op == "Div":
+            q = x.divide(y)  # only an exact quotient: integer Div truncates otherwise
+            if q is None or (q.coef < 0):
+                return None
+            out.append(q)
+        elif x.syms or y.syms:
+            return None
         else:
-            return None
-    return out
+            out.append(Dim.of(x.coef + y.coef if op == "Add" else x.coef - y.coef))
+    return ShapeValue(tuple(out), a.scalar and b.scalar)

@@ -32,7 +32,7 @@ from onnx_moe_fuse.rewrites.moe.plan import (
 # -- 5. activation -----------------------------------------------------------------------------
 
 
-def _elementwise_activation(b: Mapping[str, Any]) -> str:
+def elementwise_activation(b: Mapping[str, Any]) -> str:
     tag = b.get("activation")
     act: ir.Value = b["act"]
     node = act.producer()
@@ -70,7 +70,7 @@ def _elementwise_activation(b: Mapping[str, Any]) -> str:
     raise refuse(f"unknown activation form {tag!r}", node)
 
 
-def _columns(src: ir.Value, fc1_out: ir.Value, n1: int, last: int, role: str) -> np.ndarray:
+def gate_up_columns(src: ir.Value, fc1_out: ir.Value, n1: int, last: int, role: str) -> np.ndarray:
     """Which FC1 output columns the gate / linear operand ``src`` selects.
 
     ``last`` is FC1's feature axis (its output has rank ``last + 1``).
@@ -142,7 +142,7 @@ def _is_clip(value: ir.Value) -> bool:
     return node is not None and node.op_type == "Clip"
 
 
-def _swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
+def swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
     gate_c: ir.Value = b["swiglu_gate"]
     lin_c: ir.Value = b["swiglu_linear"]
     gate_clip = gate_c.producer() if _is_clip(gate_c) else None
@@ -186,7 +186,7 @@ def _swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
     return alpha, beta, limit
 
 
-def _granularity(
+def granularity(
     fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights, hidden: int, inter: int
 ) -> tuple[int, int]:
     """One bit width and one block size (0: per output channel) for all the projections.

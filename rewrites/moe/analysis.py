@@ -54,10 +54,10 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.moe.activation_proof import (
-    _columns,
-    _elementwise_activation,
-    _granularity,
-    _swiglu_params,
+    elementwise_activation,
+    gate_up_columns,
+    granularity,
+    swiglu_params,
 )
 from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
 from onnx_moe_fuse.rewrites.moe.plan import (
@@ -73,13 +73,13 @@ from onnx_moe_fuse.rewrites.moe.plan import (
 )
 from onnx_moe_fuse.rewrites.moe.routing_proof import (
     Routing,
-    _token_rank,
     combine_step,
     routing_form,
+    token_rank,
 )
 from onnx_moe_fuse.rewrites.moe.weights_proof import (
     WEIGHT_LAYOUTS,
-    _expert,
+    expert,
     expert_bias,
     expert_weights,
     with_bias,
@@ -143,17 +143,17 @@ def analyse_layer(
     graph = root.graph if root is not None else None
     opset = opset if opset is not None else default_opset(graph)
     with part("tokens"):
-        r = _token_rank(b)
+        r = token_rank(b)
     routing = routing_form(b, r, opset)
     k = routing.k
     topk_idx = routing.topk.outputs[1]
 
     with part("fc1"):
         fc1 = tuple(
-            _expert(b, tag, role, r, k, topk_idx, False) for tag, role in FC1_PROJECTIONS[family]
+            expert(b, tag, role, r, k, topk_idx, False) for tag, role in FC1_PROJECTIONS[family]
         )
     with part("fc2"):
-        fc2 = _expert(b, "fc2", "FC2", r, k, topk_idx, True)
+        fc2 = expert(b, "fc2", "FC2", r, k, topk_idx, True)
     with part("combine"):
         combine_step(b, r, combine, fc2.shape[2])
     return finish_layer(
@@ -410,11 +410,11 @@ def _activation(
     inter = fc2.shape[1]
     n1 = sum(w.shape[2] for w in fc1)
     if family == "elementwise":
-        activation = _elementwise_activation(b)
+        activation = elementwise_activation(b)
         if n1 != inter:
             raise refuse(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
         return activation, np.arange(n1), (1.0, 0.0, None)
-    params = _swiglu_params(b)
+    params = swiglu_params(b)
     if family == "gated":
         if fc1[0].shape != fc1[1].shape:
             raise refuse("the gate and up experts have different shapes", fc1[1].value)
@@ -422,8 +422,8 @@ def _activation(
         lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
     else:
         fc1_out: ir.Value = b["fc1_out"]
-        gate_cols = _columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
-        lin_cols = _columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
+        gate_cols = gate_up_columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
+        lin_cols = gate_up_columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
     if len(gate_cols) != inter or len(lin_cols) != inter:
         raise refuse(
             f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
@@ -473,7 +473,7 @@ def _target(
     op = "QMoE" if quant == {True} else "MoE"
     bits = block = 0
     if op == "QMoE":
-        bits, block = _granularity(fc1, fc2, hidden, inter)
+        bits, block = granularity(fc1, fc2, hidden, inter)
         if routing.normalize != 1:
             raise refuse(
                 f"routing weights not renormalised (TopK '{label(routing.topk)}' values used as "

@@ -27,8 +27,8 @@ from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
 QMOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
 #: Activations ORT's CPU MoE runs.
 MOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
-_FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-_QUANT_TYPES = {
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+QUANT_TYPES = {
     ir.DataType.INT4: (4, True),
     ir.DataType.UINT4: (4, False),
     ir.DataType.INT8: (8, True),
@@ -184,5 +184,5 @@ def bound_node(b: Mapping[str, Any], name: str) -> ir.Node | None:
     return v.producer() if isinstance(v, ir.Value) else None
 
 
-def _is_last_axis(axis: int | None, rank: int) -> bool:
+def is_last_axis(axis: int | None, rank: int) -> bool:
     return axis is not None and axis in (-1, rank - 1)

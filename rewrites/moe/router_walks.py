@@ -29,7 +29,7 @@ _GATHERING = frozenset({"Gather", "GatherND", "GroupedMatMul"})
 # where a router walk stops: the projections that compute logits or expert outputs
 _PROJECTIONS = frozenset({"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "GroupedMatMul"})
 _COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual"})
-_SELECTORS = frozenset({"TopK", "ArgMax"})
+SELECTORS = frozenset({"TopK", "ArgMax"})
 _STEPS = 48  # bound on every walk: a router is a few dozen nodes at most
 
 
@@ -74,7 +74,7 @@ def _small_const(value: ir.Value | None) -> np.ndarray | None:
         return None
 
 
-def _const_like(value: ir.Value | None) -> bool:
+def const_like(value: ir.Value | None) -> bool:
     """True for a value fixed before run time (a constant, possibly broadcast or re-typed)."""
     for _ in range(8):
         if value is None:
@@ -92,14 +92,14 @@ def _const_like(value: ir.Value | None) -> bool:
     return False
 
 
-def _scalar(value: ir.Value | None) -> float | None:
+def scalar(value: ir.Value | None) -> float | None:
     arr = _small_const(value)
     if arr is None or arr.size != 1 or arr.dtype.kind not in "fiu":
         return None
     return float(arr.astype(np.float64).reshape(-1)[0])
 
 
-def _skip_back(value: ir.Value | None) -> ir.Value | None:
+def skip_back(value: ir.Value | None) -> ir.Value | None:
     """``value`` before any reshapes/casts."""
     for _ in range(_STEPS):
         node = value.producer() if value is not None else None
@@ -122,14 +122,14 @@ def _uses(value: ir.Value) -> Iterator[tuple[ir.Node, ir.Value]]:
                 yield user, v
 
 
-def _k(node: ir.Node) -> int | None:
+def topk_k(node: ir.Node) -> int | None:
     if node.op_type == "ArgMax":
         return 1
     arr = _small_const(node.inputs[1]) if len(node.inputs) > 1 else None
     return int(arr.reshape(-1)[0]) if arr is not None and arr.size == 1 else None
 
 
-def _on_last_axis(node: ir.Node) -> bool:
+def on_last_axis(node: ir.Node) -> bool:
     """True when a Softmax / TopK / ArgMax works along the last axis (the experts'), or Sigmoid."""
     if node.op_type == "Sigmoid":
         return True
@@ -175,7 +175,7 @@ def _indices(node: ir.Node) -> ir.Value | None:
     return node.outputs[1] if len(node.outputs) > 1 else None
 
 
-def _backward_cone(values: Iterable[ir.Value | None]) -> list[ir.Node]:
+def backward_cone(values: Iterable[ir.Value | None]) -> list[ir.Node]:
     """The nodes behind ``values``, not past a projection, at most ``_STEPS`` of them."""
     todo = [v for v in values if v is not None]
     seen: dict[int, ir.Node] = {}
@@ -189,21 +189,21 @@ def _backward_cone(values: Iterable[ir.Value | None]) -> list[ir.Node]:
     return list(seen.values())
 
 
-def _feeds_selection(node: ir.Node) -> ir.Node | None:
+def feeds_selection(node: ir.Node) -> ir.Node | None:
     """Another TopK/ArgMax that ``node``'s outputs reach (not past a projection), or None."""
     todo, seen = list(node.outputs), 0
     while todo and seen < _STEPS:
         v = todo.pop()
         seen += 1
         for user, _ in v.uses():
-            if user.op_type in _SELECTORS and user is not node and user.inputs[0] is v:
+            if user.op_type in SELECTORS and user is not node and user.inputs[0] is v:
                 return user
             if user.op_type not in _PROJECTIONS and user.op_type not in _GATHERING:
                 todo.extend(user.outputs)
     return None
 
 
-def _gathers_experts(node: ir.Node) -> bool:
+def gathers_experts(node: ir.Node) -> bool:
     """True when ``node``'s indices gather experts' weights (or are sorted: an argsort)."""
     todo, seen = [_indices(node)], 0
     while todo and seen < 16:
@@ -212,14 +212,14 @@ def _gathers_experts(node: ir.Node) -> bool:
         if v is None:
             continue
         for user, _ in _uses(v):
-            if user.op_type in _GATHERING or user.op_type in _SELECTORS:
+            if user.op_type in _GATHERING or user.op_type in SELECTORS:
                 return True
             if user.op_type == "Concat":
                 todo.extend(user.outputs)
     return False
 
 
-def _is_argsort(node: ir.Node) -> bool:
+def is_argsort(node: ir.Node) -> bool:
     """A TopK that sorts another TopK's (or ArgMax's) indices ascending: not a router."""
     if node.op_type != "TopK" or attr_int(node, "largest", 1) != 0:
         return False
@@ -228,20 +228,20 @@ def _is_argsort(node: ir.Node) -> bool:
 
 def _are_expert_ids(value: ir.Value | None, depth: int) -> bool:
     """True for a selector's indices, possibly reshaped or concatenated (two top-1 rounds)."""
-    source = _skip_back(value)
+    source = skip_back(value)
     producer = source.producer() if source is not None else None
     if producer is None or depth == 0:
         return False
     if producer.op_type == "Concat":
         return bool(producer.inputs) and all(_are_expert_ids(v, depth - 1) for v in producer.inputs)
-    return producer.op_type in _SELECTORS and _indices(producer) is source
+    return producer.op_type in SELECTORS and _indices(producer) is source
 
 
 # -- what the selection reads --------------------------------------------------------------------
 
 
 @dataclass
-class _Selection:
+class Selection:
     """The walk back from the selection's input to the router's score function."""
 
     score: ir.Node | None = None  # Softmax/Sigmoid of the logits before the selection
@@ -250,8 +250,8 @@ class _Selection:
     masks: list[ir.Value] = field(default_factory=list)  # Where conditions, scatter indices
 
 
-def _trace_selection(value: ir.Value | None) -> _Selection:
-    sel, pending = _Selection(), []
+def trace_selection(value: ir.Value | None) -> Selection:
+    sel, pending = Selection(), []
     for _ in range(_STEPS):
         node = value.producer() if value is not None else None
         if node is None:
@@ -259,9 +259,9 @@ def _trace_selection(value: ir.Value | None) -> _Selection:
         op, ins = node.op_type, node.inputs
         if op in _TRANSPARENT and ins:
             value = ins[0]
-        elif op == "Where" and len(ins) == 3 and _const_like(ins[1]) != _const_like(ins[2]):
+        elif op == "Where" and len(ins) == 3 and const_like(ins[1]) != const_like(ins[2]):
             sel.masks.append(ins[0])
-            value = ins[2] if _const_like(ins[1]) else ins[1]
+            value = ins[2] if const_like(ins[1]) else ins[1]
         elif op in ("ScatterElements", "ScatterND") and len(ins) == 3:
             sel.masks.append(ins[1])
             value = ins[0]
@@ -269,9 +269,9 @@ def _trace_selection(value: ir.Value | None) -> _Selection:
             mask = _mask_operand(ins)  # scores * a 0/1 mask built from another selection
             sel.masks.append(ins[mask])
             value = ins[1 - mask]
-        elif op in ("Add", "Sub") and len(ins) == 2 and _const_like(ins[0]) != _const_like(ins[1]):
+        elif op in ("Add", "Sub") and len(ins) == 2 and const_like(ins[0]) != const_like(ins[1]):
             pending.append(node)  # a selection bias if a score function lies behind it
-            value = ins[0] if _const_like(ins[1]) else ins[1]
+            value = ins[0] if const_like(ins[1]) else ins[1]
         elif op in ("Softmax", "Sigmoid"):
             sel.score, sel.biases = node, pending
             return sel
@@ -284,14 +284,13 @@ def _trace_selection(value: ir.Value | None) -> _Selection:
 def _mask_operand(operands: Sequence[ir.Value | None]) -> int | None:
     """Which of two operands is built from another TopK/ArgMax (a mask), if exactly one is."""
     built = [
-        v is not None and any(n.op_type in _SELECTORS for n in _backward_cone([v]))
-        for v in operands
+        v is not None and any(n.op_type in SELECTORS for n in backward_cone([v])) for v in operands
     ]
     return built.index(True) if built.count(True) == 1 else None
 
 
 @dataclass
-class _Groups:
+class Groups:
     """A group-limited top-k: the TopK over group scores and how each group is scored."""
 
     topk: ir.Node
@@ -299,16 +298,16 @@ class _Groups:
     per_group: str
 
 
-def _group_limit(masks: list[ir.Value]) -> _Groups | None:
+def group_limit(masks: list[ir.Value]) -> Groups | None:
     """The group-selection TopK behind a selection's masks, if the masks come from one."""
-    for node in _backward_cone(masks):
+    for node in backward_cone(masks):
         if node.op_type != "TopK":
             continue
-        scored = _skip_back(node.inputs[0])
+        scored = skip_back(node.inputs[0])
         reduce = scored.producer() if scored is not None else None
         if reduce is None or not reduce.op_type.startswith("Reduce"):
             continue
-        inner = _skip_back(reduce.inputs[0])
+        inner = skip_back(reduce.inputs[0])
         inner_node = inner.producer() if inner is not None else None
         how = reduce.op_type.removeprefix("Reduce").lower()
         per_group, grouped = f"the {how} of its scores", inner
@@ -317,9 +316,9 @@ def _group_limit(masks: list[ir.Value]) -> _Groups | None:
             and inner_node.op_type == "TopK"
             and inner is inner_node.outputs[0]
         ):
-            per_group = f"the {how} of its top {_k(inner_node) or 'k'}"
+            per_group = f"the {how} of its top {topk_k(inner_node) or 'k'}"
             grouped = inner_node.inputs[0]
-        return _Groups(node, _group_count(grouped), per_group)
+        return Groups(node, _group_count(grouped), per_group)
     return None
 
 
@@ -343,7 +342,7 @@ def _group_count(grouped: ir.Value | None) -> int | None:
 
 
 @dataclass
-class _Weights:
+class Weights:
     """The walk forward from the selection to the routing weights."""
 
     post: ir.Node | None = None  # Softmax/Sigmoid of the k selected values
@@ -359,7 +358,7 @@ class _Weights:
 def _post_fn(value: ir.Value) -> ir.Node | None:
     """A Softmax/Sigmoid over the last axis that reads ``value`` (past reshapes), or None."""
     for user, _ in _uses(value):
-        if user.op_type in ("Softmax", "Sigmoid") and _on_last_axis(user):
+        if user.op_type in ("Softmax", "Sigmoid") and on_last_axis(user):
             return user
     return None
 
@@ -369,13 +368,13 @@ def _scatter_back(values: ir.Value, indices: ir.Value | None) -> ir.Node | None:
     for user, read in _uses(values):
         ins = user.inputs
         if user.op_type == "ScatterElements" and len(ins) == 3 and ins[2] is read:
-            if _const_like(ins[0]) and _skip_back(ins[1]) is indices:
+            if const_like(ins[0]) and skip_back(ins[1]) is indices:
                 return user
     return None
 
 
-def _trace_weights(node: ir.Node, selected: ir.Value | None) -> _Weights:
-    w, start = _Weights(), None
+def trace_weights(node: ir.Node, selected: ir.Value | None) -> Weights:
+    w, start = Weights(), None
     indices = _indices(node)
     if node.op_type == "TopK" and node.outputs and node.outputs[0].uses():
         start = node.outputs[0]
@@ -387,7 +386,7 @@ def _trace_weights(node: ir.Node, selected: ir.Value | None) -> _Weights:
     for user, read in _uses(indices) if indices is not None else ():
         if user.op_type != "GatherElements" or len(user.inputs) < 2 or user.inputs[1] is not read:
             continue
-        data = _skip_back(user.inputs[0])
+        data = skip_back(user.inputs[0])
         if w.post is None:
             start = user.outputs[0]
             w.post = _post_fn(start)  # a softmax/sigmoid of the gathered values
@@ -409,11 +408,11 @@ def _threshold(softmax: ir.Node | None) -> ir.Node | None:
     """The comparison behind ``Softmax(Where(compare, -inf, scores))`` (sparse mixer), or None."""
     if softmax is None or softmax.op_type != "Softmax":
         return None
-    masked = _skip_back(softmax.inputs[0])
+    masked = skip_back(softmax.inputs[0])
     where = masked.producer() if masked is not None else None
     if where is None or where.op_type != "Where":
         return None
-    cond = _skip_back(where.inputs[0])
+    cond = skip_back(where.inputs[0])
     for _ in range(4):
         test = cond.producer() if cond is not None else None
         if test is None:
@@ -422,11 +421,11 @@ def _threshold(softmax: ir.Node | None) -> ir.Node | None:
             return test
         if test.op_type != "Not":
             return None
-        cond = _skip_back(test.inputs[0])
+        cond = skip_back(test.inputs[0])
     return None
 
 
-def _follow_weights(start: ir.Value, w: _Weights) -> None:
+def _follow_weights(start: ir.Value, w: Weights) -> None:
     """Walk the weights forward: renormalisation, a constant factor, the combine."""
     chain, todo, seen = {id(start)}, [start], 0
     while todo and seen < _STEPS:
@@ -437,7 +436,7 @@ def _follow_weights(start: ir.Value, w: _Weights) -> None:
             others = [x for x in user.inputs if x is not None and id(x) not in chain]
             follow = op in _TRANSPARENT or op in ("Concat", "Transpose")
             if op in ("Mul", "Div") and len(others) == 1:
-                factor = _scalar(others[0])
+                factor = scalar(others[0])
                 if factor is not None and (op == "Mul" or user.inputs[1] is others[0]):
                     factor = factor if op == "Mul" else 1.0 / factor if factor else None
                     if factor is not None and factor != 1.0 and w.scale is None:
@@ -454,15 +453,15 @@ def _follow_weights(start: ir.Value, w: _Weights) -> None:
 
 def _sum_of(value: ir.Value, chain: set[int], reciprocal: bool) -> bool:
     """True for ``ReduceSum(c) [+ eps]`` of a chain value (``1 / that`` when ``reciprocal``)."""
-    value = _skip_back(value)
+    value = skip_back(value)
     node = value.producer() if value is not None else None
     if reciprocal:
         if node is None or node.op_type != "Reciprocal":
             return False
-        value = _skip_back(node.inputs[0])
+        value = skip_back(node.inputs[0])
         node = value.producer() if value is not None else None
     if node is not None and node.op_type in ("Add", "Max", "Clip") and node.inputs:
-        value = _skip_back(node.inputs[0])  # + eps, or clamped away from zero
+        value = skip_back(node.inputs[0])  # + eps, or clamped away from zero
         node = value.producer() if value is not None else None
     return node is not None and node.op_type == "ReduceSum" and id(node.inputs[0]) in chain
 

@@ -25,22 +25,22 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import label
 from onnx_moe_fuse.rewrites.moe.router_walks import (
-    _SELECTORS,
-    _backward_cone,
-    _const_like,
-    _feeds_selection,
-    _gathers_experts,
-    _group_limit,
-    _Groups,
-    _is_argsort,
-    _k,
-    _on_last_axis,
-    _scalar,
-    _Selection,
-    _skip_back,
-    _trace_selection,
-    _trace_weights,
-    _Weights,
+    SELECTORS,
+    Groups,
+    Selection,
+    Weights,
+    backward_cone,
+    const_like,
+    feeds_selection,
+    gathers_experts,
+    group_limit,
+    is_argsort,
+    on_last_axis,
+    scalar,
+    skip_back,
+    topk_k,
+    trace_selection,
+    trace_weights,
 )
 
 __all__ = ["FUSABLE_KINDS", "KINDS", "RouterForm", "classify_router", "router_near_miss"]
@@ -128,24 +128,24 @@ _WHY = {
 
 
 def _classify(node: ir.Node) -> RouterForm:
-    if node.op_type not in _SELECTORS or not node.inputs or node.inputs[0] is None:
+    if node.op_type not in SELECTORS or not node.inputs or node.inputs[0] is None:
         return RouterForm("unknown", False, node, None, f"a {node.op_type}, not a top-k")
-    if _is_argsort(node):
+    if is_argsort(node):
         return RouterForm("argsort", False, node, None, "an ascending sort of expert ids")
-    selected = _skip_back(node.inputs[0])
-    sel = _trace_selection(node.inputs[0])
+    selected = skip_back(node.inputs[0])
+    sel = trace_selection(node.inputs[0])
     read = node.inputs[0].producer()
     # a TopK whose result only shapes what a later TopK reads is a step of that router (the
     # group choice of a group-limited top-k), not a router of its own
-    later = None if _gathers_experts(node) else _feeds_selection(node)
+    later = None if gathers_experts(node) else feeds_selection(node)
     if later is not None:
-        groups = _group_limit([node.outputs[0]]) if node.op_type == "TopK" else None
+        groups = group_limit([node.outputs[0]]) if node.op_type == "TopK" else None
         what = "scores the groups" if groups is None else "chooses the top groups"
         text = f"{_GROUP_STEP} (it {what}); the experts are chosen by '{label(later)}'"
-        fns = [n for n in _backward_cone([node.inputs[0]]) if n.op_type in ("Softmax", "Sigmoid")]
+        fns = [n for n in backward_cone([node.inputs[0]]) if n.op_type in ("Softmax", "Sigmoid")]
         return RouterForm("group_limited_topk", False, node, (fns or [read])[0], text)
-    w = _trace_weights(node, selected)
-    groups = _group_limit(sel.masks) if sel.masks else None
+    w = trace_weights(node, selected)
+    groups = group_limit(sel.masks) if sel.masks else None
     kind = _kind(node, sel, w, groups)
     scores = sel.score or w.post or w.source or read
     if kind == "sparse_mixer":
@@ -153,11 +153,11 @@ def _classify(node: ir.Node) -> RouterForm:
     return RouterForm(kind, kind in FUSABLE_KINDS, node, scores, _describe(node, sel, w, groups))
 
 
-def _kind(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | None) -> str:
+def _kind(node: ir.Node, sel: Selection, w: Weights, groups: Groups | None) -> str:
     score = sel.score
-    if score is not None and not _on_last_axis(score):
+    if score is not None and not on_last_axis(score):
         return "unknown"  # a softmax over some other axis than the experts
-    if not _on_last_axis(node):
+    if not on_last_axis(node):
         return "unknown"
     if w.threshold is not None:
         return "sparse_mixer"
@@ -183,8 +183,8 @@ def _kind(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | None) -
     return "unknown"
 
 
-def _describe(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | None) -> str:
-    k = _k(node)
+def _describe(node: ir.Node, sel: Selection, w: Weights, groups: Groups | None) -> str:
+    k = topk_k(node)
     top = f"top-{k}" if k is not None else "top-k"
     score = sel.score.op_type if sel.score is not None else None
     logits = f"the router logits ('{label(sel.stop)}')" if sel.stop else "the router logits"
@@ -195,7 +195,7 @@ def _describe(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | Non
         parts.append(f"with a selection bias ({names}) added for the choice only")
     if groups is not None:
         of = f" of {groups.groups}" if groups.groups is not None else ""
-        kept = _k(groups.topk) or "k"
+        kept = topk_k(groups.topk) or "k"
         style = " (DeepSeek-V3 style)" if score == "Sigmoid" and sel.biases else ""
         parts.append(
             f"and group-limited {top} (the top {kept}{of} groups, each scored by "
@@ -204,7 +204,7 @@ def _describe(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | Non
     else:
         pick = "argmax (top-1)" if node.op_type == "ArgMax" else top
         parts.append(f"then {pick} ('{label(node)}')")
-        earlier = [n for n in _backward_cone(sel.masks) if n.op_type in _SELECTORS]
+        earlier = [n for n in backward_cone(sel.masks) if n.op_type in SELECTORS]
         if earlier:
             parts.append(f"with the choice of '{label(earlier[0])}' masked out")
     if w.scattered is not None:
@@ -214,7 +214,7 @@ def _describe(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | Non
         of = "the selected value" if k == 1 else f"the {k or 'k'} selected values"
         parts.append(f"then {op} of {of} ('{label(w.post)}')")
     if w.threshold is not None:
-        t = next((_scalar(v) for v in w.threshold.inputs if _scalar(v) is not None), None)
+        t = next((scalar(v) for v in w.threshold.inputs if scalar(v) is not None), None)
         at = f" {t:g}" if t is not None else ""
         parts.append(
             f"weighted by a softmax masked where the gap to the maximum exceeds a jitter "
@@ -235,7 +235,7 @@ def _describe(node: ir.Node, sel: _Selection, w: _Weights, groups: _Groups | Non
 def _bias_name(node: ir.Node) -> str:
     """The name of the constant a bias node adds (an initializer name says what it is)."""
     for v in node.inputs:
-        if v is not None and _const_like(v):
-            v = _skip_back(v)  # past a Cast: the initializer's own name
+        if v is not None and const_like(v):
+            v = skip_back(v)  # past a Cast: the initializer's own name
             return v.name or label(v.producer())
     return label(node)

@@ -13,21 +13,20 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.dims import Dim, reshape_dims
 from onnx_moe_fuse.rewrites.graph.facts import (
-    Dim,
     attr_int,
     const_ints,
     label,
-    lead_dims,
     node_axes,
     normalize_axes,
-    reshape_dims,
     static_rank,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import lead_dims
 from onnx_moe_fuse.rewrites.moe.plan import (
-    _is_last_axis,
     bound_node,
+    is_last_axis,
     part,
     refuse,
 )
@@ -35,7 +34,7 @@ from onnx_moe_fuse.rewrites.moe.plan import (
 # -- 1. rank -----------------------------------------------------------------------------------
 
 
-def _token_rank(b: Mapping[str, Any]) -> int:
+def token_rank(b: Mapping[str, Any]) -> int:
     tokens: ir.Value = b["tokens"]
     for v in (tokens, b.get("router_scores"), b.get("topk_values"), b.get("layer_out")):
         r = static_rank(v)
@@ -91,7 +90,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     assert topk is not None
     if topk.outputs[1] is not b.get("topk_indices"):
         raise refuse("the routing TopK's indices are not bound", topk)
-    if not _is_last_axis(attr_int(topk, "axis", -1), r):
+    if not is_last_axis(attr_int(topk, "axis", -1), r):
         raise refuse(
             f"TopK '{label(topk)}' selects along axis {attr_int(topk, 'axis', -1)}, not over the "
             "experts (last axis)",
@@ -109,7 +108,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     form = b.get("weight_form")
     if form == "softmax_k":
         sm = bound_node(b, "routing_weights")
-        if sm is None or not _is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
+        if sm is None or not is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
             raise refuse(
                 f"the Softmax over the top-k values '{label(sm)}' is not over the k axis", sm
             )
@@ -132,7 +131,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
             + ("after renormalising" if form != "as_is" else "as they are"),
             topk,
         )
-    if not _is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
+    if not is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
         raise refuse(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
     logits = producer.inputs[0]
     assert logits is not None
@@ -141,7 +140,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
         if s is None:
             raise refuse("the renormalising ReduceSum is missing", topk)
         axes = node_axes(s)
-        if axes is None or len(axes) != 1 or not _is_last_axis(axes[0], r):
+        if axes is None or len(axes) != 1 or not is_last_axis(axes[0], r):
             raise refuse(
                 f"ReduceSum '{label(s)}' does not sum the k routing weights (axes {axes})", s
             )
@@ -199,11 +198,11 @@ def combine_step(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.
     if got != [*lead, h]:
         raise refuse(
             f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine "
-            f"(from {_dims([*lead, Dim.of(1), h])} it must make {_dims([*lead, h])})",
+            f"(from {dims_text([*lead, Dim.of(1), h])} it must make {dims_text([*lead, h])})",
             root,
         )
     return root
 
 
-def _dims(dims: list[Dim]) -> str:
+def dims_text(dims: list[Dim]) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"

@@ -33,19 +33,18 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.dims import Dim, reshape_dims
 from onnx_moe_fuse.rewrites.graph.facts import (
-    Dim,
     attr_int,
     const_ints,
     default_opset,
     label,
     node_axes,
     normalize_axes,
-    reshape_dims,
     static_rank,
-    value_dims,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 from onnx_moe_fuse.rewrites.moe.analysis import (
     FC1_PROJECTIONS,
     ExpertWeights,

@@ -14,28 +14,26 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.dims import Dim, product, reshape_dims
 from onnx_moe_fuse.rewrites.graph.facts import (
-    Dim,
     attr_int,
     const_array,
     const_ints,
     label,
-    lead_dims,
     node_axes,
     normalize_axes,
-    product,
-    reshape_dims,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import lead_dims
 from onnx_moe_fuse.rewrites.moe.plan import (
-    _FLOAT_TYPES,
-    _QUANT_TYPES,
+    FLOAT_TYPES,
+    QUANT_TYPES,
     ExpertWeights,
     bound_node,
     refuse,
 )
 from onnx_moe_fuse.rewrites.moe.routing_proof import (
-    _dims,
+    dims_text,
 )
 
 # -- 4. experts --------------------------------------------------------------------------------
@@ -71,7 +69,7 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
                 w,
             )
         dtype = ir.DataType.from_numpy(arr.dtype)
-        if dtype not in _FLOAT_TYPES:
+        if dtype not in FLOAT_TYPES:
             raise refuse(
                 f"{role} expert weights '{value_label(w)}' have type {dtype.name}; MoE takes "
                 "float32/float16",
@@ -137,13 +135,13 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     qtype = x_v.dtype if x_v is not None and x_v.dtype is not None else None
     if qtype is None:
         qtype = ir.DataType.from_numpy(q.dtype)
-    if qtype not in _QUANT_TYPES:
+    if qtype not in QUANT_TYPES:
         raise refuse(
             f"{role} weights are {qtype.name} behind DequantizeLinear '{label(dq)}'; QMoE takes "
             "int4/uint4/int8/uint8",
             dq,
         )
-    bits, signed = _QUANT_TYPES[qtype]
+    bits, signed = QUANT_TYPES[qtype]
     dims = ", ".join(layout.upper())
     if q.ndim != 3:
         raise refuse(f"{role} quantized weights of '{label(dq)}' are not [E, {dims}]", dq)
@@ -159,7 +157,7 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     e, kk, n = q.shape
     out_dtype = attr_int(dq, "output_dtype", 0) or 0
     dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(s.dtype)
-    if dtype not in _FLOAT_TYPES or ir.DataType.from_numpy(s.dtype) != dtype:
+    if dtype not in FLOAT_TYPES or ir.DataType.from_numpy(s.dtype) != dtype:
         raise refuse(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
     block = attr_int(dq, "block_size", 0) or 0
     if block:
@@ -241,7 +239,7 @@ def expert_bias(
     return arr
 
 
-def _expert(
+def expert(
     b: Mapping[str, Any], tag: str, role: str, r: int, k: int, topk_idx: ir.Value, per_slot: bool
 ) -> ExpertWeights:
     """Prove one projection ``[*, k, N]`` of the selected experts; return its weights."""
@@ -279,8 +277,8 @@ def _expert(
                 if got != want:
                     raise refuse(
                         f"{role}: Reshape '{label(node)}' (shape {shape}) does not flatten or "
-                        f"restore the (token, slot) rows consistently (from {_dims(dims_in)} it "
-                        f"must make {_dims(want)})",
+                        f"restore the (token, slot) rows consistently (from {dims_text(dims_in)} it "
+                        f"must make {dims_text(want)})",
                         node,
                     )
         bias = expert_bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
@@ -345,8 +343,8 @@ def _expert(
         if got != [*lead, kd, Dim.of(n)]:
             raise refuse(
                 f"{role}: Reshape '{label(drop)}' (shape {shape}) does not just drop the row axis "
-                f"(from {_dims([*lead, kd, Dim.of(1), Dim.of(n)])} it must make "
-                f"{_dims([*lead, kd, Dim.of(n)])})",
+                f"(from {dims_text([*lead, kd, Dim.of(1), Dim.of(n)])} it must make "
+                f"{dims_text([*lead, kd, Dim.of(n)])})",
                 drop,
             )
     bias = None

@@ -40,31 +40,31 @@ NORM_FORMS: tuple[str, ...] = (
 #: Projection kinds of the three slots: ``n`` MatMulNBits, ``d`` MatMul (of a DequantizeLinear).
 PROJECTION_MIXES: tuple[str, ...] = ("nnn", "nnd", "ndd", "ddd")
 
-_BLOCK = 32
-_BITS = 4
-_ROLES = ("q", "k", "v")
-_KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-_PRECISION = {ir.DataType.FLOAT16: 1, ir.DataType.FLOAT: 2, ir.DataType.DOUBLE: 3}
+BLOCK = 32
+BITS = 4
+ROLES = ("q", "k", "v")
+KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+PRECISION = {ir.DataType.FLOAT16: 1, ir.DataType.FLOAT: 2, ir.DataType.DOUBLE: 3}
 # Reasons the matcher gives; near_misses() reports those that start with this prefix.
-_COUNT_PREFIX = "the RMS-normalised value"
+COUNT_PREFIX = "the RMS-normalised value"
 
 Refusal = _basics.MatchFailureError
 
 
 # Constants and attributes are read exactly as the MoE rules read them.
-_const = const_array
-_const_scalar = const_float
-_int_attr = attr_int
+const = const_array
+const_scalar = const_float
+int_attr = attr_int
 
 
-def _v(name: str, optional: bool = False) -> pattern.Var:
+def pattern_var(name: str, optional: bool = False) -> pattern.Var:
     return pattern.Var(name, can_match_none=optional)
 
 
 # -- graph facts -------------------------------------------------------------------------------
 
 
-def _label(item: ir.Node | ir.Value | None) -> str:
+def item_label(item: ir.Node | ir.Value | None) -> str:
     """A readable name: a node's name (or ``OpType(first output)``), a value's name."""
     if item is None:
         return "<absent>"
@@ -76,10 +76,10 @@ def _label(item: ir.Node | ir.Value | None) -> str:
     if item.name:
         return item.name
     producer = item.producer()
-    return f"output {item.index()} of {_label(producer)}" if producer else "<unnamed>"
+    return f"output {item.index()} of {item_label(producer)}" if producer else "<unnamed>"
 
 
-def _attr(node: ir.Node, name: str, default: Any) -> Any:
+def attr_or(node: ir.Node, name: str, default: Any) -> Any:
     attr = node.attributes.get(name)
     if attr is None or attr.is_ref():
         return default
@@ -154,7 +154,7 @@ def _infer_step(value: ir.Value, what: str, memo: dict[int, Any]) -> Any:
         return value.dtype
     if what == "rank" and value.shape is not None:
         return len(value.shape)
-    arr = _const(value)
+    arr = const(value)
     if arr is not None:
         if what == "rank":
             return arr.ndim
@@ -170,14 +170,14 @@ def _infer_step(value: ir.Value, what: str, memo: dict[int, Any]) -> Any:
     if key == ("", "Cast"):
         if what == "rank":
             return _infer(first, what, memo)
-        to = _int_attr(node, "to", None)
+        to = int_attr(node, "to", None)
         return ir.DataType(to) if to is not None else None
     if key in _LIKE_INPUT0 and value.index() in (0, 3):
         found = _infer(first, what, memo)
         if found is None and what == "dtype" and len(node.inputs) > 2:
             found = _infer(node.inputs[2], what, memo)  # MatMulNBits(Qkv): scales / norm_scale
         return found
-    if key in _REDUCE and _int_attr(node, "keepdims", 1) == 1:
+    if key in _REDUCE and int_attr(node, "keepdims", 1) == 1:
         return _infer(first, what, memo)
     if node.domain == "" and node.op_type in _BROADCAST:
         if what == "dtype":
@@ -194,19 +194,19 @@ def _infer_step(value: ir.Value, what: str, memo: dict[int, Any]) -> Any:
         if what == "dtype":
             return _infer(first, what, memo)
         if node.op_type == "Reshape" and len(node.inputs) > 1:
-            shape = _const(node.inputs[1])
+            shape = const(node.inputs[1])
             return None if shape is None else int(shape.size)
         if node.op_type == "Transpose":
             return _infer(first, what, memo)
     return None
 
 
-def _dtype(value: ir.Value | None) -> ir.DataType | None:
+def elem_type(value: ir.Value | None) -> ir.DataType | None:
     """The element type of ``value`` (see :func:`_infer`)."""
     return _infer(value, "dtype")
 
 
-def _pick(bindings: dict[str, Any], *names: str) -> ir.Value | None:
+def pick(bindings: dict[str, Any], *names: str) -> ir.Value | None:
     """The first of ``names`` bound to a value."""
     for name in names:
         value = bindings.get(name)
@@ -215,12 +215,12 @@ def _pick(bindings: dict[str, Any], *names: str) -> ir.Value | None:
     return None
 
 
-def _rank(value: ir.Value | None) -> int | None:
+def static_rank(value: ir.Value | None) -> int | None:
     """The rank of ``value`` (see :func:`_infer`)."""
     return _infer(value, "rank")
 
 
-def _dims(value: ir.Value | None) -> tuple[Any, ...] | None:
+def static_dims(value: ir.Value | None) -> tuple[Any, ...] | None:
     """Static shape as a tuple of ints / symbolic names; None when unknown or anonymous."""
     if value is None or value.shape is None:
         return None
@@ -235,19 +235,19 @@ def _dims(value: ir.Value | None) -> tuple[Any, ...] | None:
     return tuple(dims)
 
 
-def _static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
-    arr = _const(value)
+def static_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    arr = const(value)
     if arr is not None:
         return tuple(arr.shape)
-    dims = _dims(value)
+    dims = static_dims(value)
     if dims is None or not all(isinstance(d, int) for d in dims):
         return None
     return tuple(dims)
 
 
-def _dtype_name(dtype: ir.DataType | None) -> str:
+def dtype_name(dtype: ir.DataType | None) -> str:
     return "unknown" if dtype is None else dtype.name.lower()
 
 
-def _np_dtype(dtype: ir.DataType) -> np.dtype:
+def np_dtype(dtype: ir.DataType) -> np.dtype:
     return np.dtype(dtype.numpy())

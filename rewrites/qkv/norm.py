@@ -14,22 +14,22 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.qkv.graph import (
-    _attr,
-    _const,
-    _const_scalar,
-    _dims,
-    _dtype,
-    _dtype_name,
-    _int_attr,
-    _label,
-    _np_dtype,
-    _pick,
-    _static_shape,
+    attr_or,
+    const,
+    const_scalar,
+    dtype_name,
+    elem_type,
+    int_attr,
+    item_label,
+    np_dtype,
+    pick,
+    static_dims,
+    static_shape,
 )
 from onnx_moe_fuse.rewrites.qkv.projections import (
-    _check_last_axis,
-    _precise_enough,
-    _refuse,
+    check_last_axis,
+    precise_enough,
+    refuse,
 )
 
 
@@ -42,8 +42,8 @@ class _NormFacts:
     axis_node: ir.Node
 
 
-def _decomposed_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -> _NormFacts:
-    x = _pick(b, "residual", "x")
+def decomposed_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -> _NormFacts:
+    x = pick(b, "residual", "x")
     normed = b["normed"]
     anchor = normed.producer()
     x_up = b.get("x_up")
@@ -51,127 +51,130 @@ def _decomposed_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -
     casts = [v for v in (x_up, b.get("normalized_cast"), b.get("scale_cast")) if v is not None]
     if anchor.op_type == "Cast":
         casts.append(normed)
-    x_type = _dtype(x)
+    x_type = elem_type(x)
     if x_type is None and not casts:
         x_type = dtype  # no Cast anywhere: every value of the chain has normed's type
     if x_type != dtype:
-        raise _refuse(
-            f"the norm's input {_label(x)} is {_dtype_name(x_type)}, but the projections compute "
-            f"in {_dtype_name(dtype)} (the fused node reads A in the projections' type)",
+        raise refuse(
+            f"the norm's input {item_label(x)} is {dtype_name(x_type)}, but the projections compute "
+            f"in {dtype_name(dtype)} (the fused node reads A in the projections' type)",
             x,
         )
-    compute = ir.DataType(_int_attr(x_up.producer(), "to", 0)) if x_up is not None else x_type
-    _precise_enough(x_up.producer() if x_up is not None else anchor, compute, dtype, "the norm")
+    compute = ir.DataType(int_attr(x_up.producer(), "to", 0)) if x_up is not None else x_type
+    precise_enough(x_up.producer() if x_up is not None else anchor, compute, dtype, "the norm")
     nc = b.get("normalized_cast")
-    mul_type = ir.DataType(_int_attr(nc.producer(), "to", 0)) if nc is not None else compute
-    _precise_enough(anchor, mul_type, dtype, "the scale multiplication")
-    if anchor.op_type == "Cast" and _int_attr(anchor, "to", 0) != dtype:
-        raise _refuse(f"{_label(anchor)}: casts to another type than the projections'", anchor)
+    mul_type = ir.DataType(int_attr(nc.producer(), "to", 0)) if nc is not None else compute
+    precise_enough(anchor, mul_type, dtype, "the scale multiplication")
+    if anchor.op_type == "Cast" and int_attr(anchor, "to", 0) != dtype:
+        raise refuse(f"{item_label(anchor)}: casts to another type than the projections'", anchor)
     pow_exp = b.get("pow_exponent")
-    if b.get("sq_pow") is not None and _const_scalar(pow_exp) != 2.0:
-        raise _refuse(
-            f"{_label(b['sq_pow'].producer())}: the power is {_const_scalar(pow_exp)}, not 2",
+    if b.get("sq_pow") is not None and const_scalar(pow_exp) != 2.0:
+        raise refuse(
+            f"{item_label(b['sq_pow'].producer())}: the power is {const_scalar(pow_exp)}, not 2",
             b["sq_pow"].producer(),
         )
     rm = b["mean_sq"].producer()
     axes_v = b.get("rm_axes")
-    axes = _const(axes_v) if axes_v is not None else None
+    axes = const(axes_v) if axes_v is not None else None
     if axes_v is not None and axes is None:
-        raise _refuse(f"{_label(rm)}: its axes {_label(axes_v)} are not constant", rm)
-    axes_list = [int(a) for a in axes.reshape(-1)] if axes is not None else _attr(rm, "axes", None)
+        raise refuse(f"{item_label(rm)}: its axes {item_label(axes_v)} are not constant", rm)
+    axes_list = (
+        [int(a) for a in axes.reshape(-1)] if axes is not None else attr_or(rm, "axes", None)
+    )
     if not axes_list or len(axes_list) != 1:
-        raise _refuse(f"{_label(rm)}: reduces over axes {axes_list}, not the last axis only", rm)
-    _check_last_axis(rm, int(axes_list[0]), rank, "reduces over")
-    if _int_attr(rm, "keepdims", 1) != 1:
-        raise _refuse(f"{_label(rm)}: keepdims=0 (the mean does not broadcast back)", rm)
-    eps = _const_scalar(b.get("epsilon"))
+        raise refuse(f"{item_label(rm)}: reduces over axes {axes_list}, not the last axis only", rm)
+    check_last_axis(rm, int(axes_list[0]), rank, "reduces over")
+    if int_attr(rm, "keepdims", 1) != 1:
+        raise refuse(f"{item_label(rm)}: keepdims=0 (the mean does not broadcast back)", rm)
+    eps = const_scalar(b.get("epsilon"))
     if eps is None:
-        raise _refuse(
-            f"the epsilon added to the mean square ({_label(b.get('epsilon'))}) is not a "
+        raise refuse(
+            f"the epsilon added to the mean square ({item_label(b.get('epsilon'))}) is not a "
             "constant scalar",
             b["mean_sq"].producer(),
         )
-    if b.get("inv_div") is not None and _const_scalar(b.get("one")) != 1.0:
-        raise _refuse(
-            f"{_label(b['inv_div'].producer())}: divides {_const_scalar(b.get('one'))}, not 1, "
+    if b.get("inv_div") is not None and const_scalar(b.get("one")) != 1.0:
+        raise refuse(
+            f"{item_label(b['inv_div'].producer())}: divides {const_scalar(b.get('one'))}, not 1, "
             "by the RMS",
             b["inv_div"].producer(),
         )
     sc = b.get("scale_cast")
     scale = b["norm_scale"]
-    scale_dtype = _dtype(scale) if sc is not None else mul_type
+    scale_dtype = elem_type(scale) if sc is not None else mul_type
     return _NormFacts(x, scale, scale_dtype, eps, rm)
 
 
-def _op_norm_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -> _NormFacts:
+def op_norm_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -> _NormFacts:
     normed = b["normed"]
     node = normed.producer()
     scale = b["norm_scale"]
     if node.op_type == "SkipSimplifiedLayerNormalization":
         x = b["a"]
         if b.get("ssln_bias") is not None:
-            raise _refuse(
-                f"{_label(node)}: SkipSimplifiedLayerNormalization with a bias input; "
+            raise refuse(
+                f"{item_label(node)}: SkipSimplifiedLayerNormalization with a bias input; "
                 "MatMulNBitsQkv adds none",
                 node,
                 b["ssln_bias"],
             )
-        eps = _attr(node, "epsilon", 1e-12)
+        eps = attr_or(node, "epsilon", 1e-12)
     else:
-        x = _pick(b, "residual", "x")
-        eps = _attr(node, "epsilon", 1e-5)
-        _check_last_axis(node, _int_attr(node, "axis", -1), rank, "normalises over")
-        stash = _int_attr(node, "stash_type", 1)
+        x = pick(b, "residual", "x")
+        eps = attr_or(node, "epsilon", 1e-5)
+        check_last_axis(node, int_attr(node, "axis", -1), rank, "normalises over")
+        stash = int_attr(node, "stash_type", 1)
         if stash != 1:
-            raise _refuse(
-                f"{_label(node)}: stash_type={stash}; the fused node computes the norm in "
+            raise refuse(
+                f"{item_label(node)}: stash_type={stash}; the fused node computes the norm in "
                 "float32 (stash_type 1)",
                 node,
             )
-    x_type = _dtype(x)
+    x_type = elem_type(x)
     if x_type != dtype:
-        raise _refuse(
-            f"the norm's input {_label(x)} is {_dtype_name(x_type)}, but the projections compute "
-            f"in {_dtype_name(dtype)}",
+        raise refuse(
+            f"the norm's input {item_label(x)} is {dtype_name(x_type)}, but the projections compute "
+            f"in {dtype_name(dtype)}",
             x,
         )
-    return _NormFacts(x, scale, _dtype(scale), float(eps), node)
+    return _NormFacts(x, scale, elem_type(scale), float(eps), node)
 
 
-def _fused_scale(facts: _NormFacts, dtype: ir.DataType, k: int) -> ir.Value | np.ndarray:
+def fused_scale(facts: _NormFacts, dtype: ir.DataType, k: int) -> ir.Value | np.ndarray:
     """The ``[K]`` norm scale of the fused node's type: the value itself, or an exact copy."""
     scale = facts.scale
-    if facts.scale_dtype == dtype and _static_shape(scale) == (k,):
+    if facts.scale_dtype == dtype and static_shape(scale) == (k,):
         return scale
-    arr = _const(scale)
+    arr = const(scale)
     if arr is None:
-        raise _refuse(
-            f"the norm scale {_label(scale)} ({_dtype_name(facts.scale_dtype)}, shape "
-            f"{_dims(scale)}) cannot be proven to be [K] = [{k}] of {_dtype_name(dtype)}",
+        raise refuse(
+            f"the norm scale {item_label(scale)} ({dtype_name(facts.scale_dtype)}, shape "
+            f"{static_dims(scale)}) cannot be proven to be [K] = [{k}] of {dtype_name(dtype)}",
             scale,
         )
     if arr.size == 1:
         arr = np.full((k,), arr.reshape(-1)[0], dtype=arr.dtype)
     elif arr.size != k or any(d != 1 for d in arr.shape[:-1]) or arr.shape[-1] != k:
-        raise _refuse(
-            f"the norm scale {_label(scale)} has shape {list(arr.shape)}, not [K] = [{k}]", scale
+        raise refuse(
+            f"the norm scale {item_label(scale)} has shape {list(arr.shape)}, not [K] = [{k}]",
+            scale,
         )
-    out = arr.reshape(k).astype(_np_dtype(dtype))
+    out = arr.reshape(k).astype(np_dtype(dtype))
     if not np.array_equal(out.astype(np.float64), arr.reshape(k).astype(np.float64)):
-        raise _refuse(
-            f"the norm scale {_label(scale)} is {_dtype_name(ir.DataType.from_numpy(arr.dtype))}"
-            f" and not exactly representable in {_dtype_name(dtype)}",
+        raise refuse(
+            f"the norm scale {item_label(scale)} is {dtype_name(ir.DataType.from_numpy(arr.dtype))}"
+            f" and not exactly representable in {dtype_name(dtype)}",
             scale,
         )
     return np.ascontiguousarray(out)
 
 
-def _same_shape(a: ir.Value, b: ir.Value) -> bool:
-    da, db = _dims(a), _dims(b)
+def same_shape(a: ir.Value, b: ir.Value) -> bool:
+    da, db = static_dims(a), static_dims(b)
     return da is not None and da == db
 
 
-def _norm_nodes(normed: ir.Value, stops: Iterable[ir.Value | None]) -> list[ir.Node]:
+def norm_region_nodes(normed: ir.Value, stops: Iterable[ir.Value | None]) -> list[ir.Node]:
     """The nodes computing ``normed`` from the boundary values ``stops`` (constants excluded)."""
     stop_ids = {id(v) for v in stops if v is not None}
     seen: dict[int, ir.Node] = {}
@@ -190,7 +193,7 @@ def _norm_nodes(normed: ir.Value, stops: Iterable[ir.Value | None]) -> list[ir.N
     return list(seen.values())
 
 
-def _read_uses(value: ir.Value, allowed: set[int]) -> bool:
+def read_uses(value: ir.Value, allowed: set[int]) -> bool:
     """True when ``value`` is a graph output or read by a node outside ``allowed`` (ids)."""
     if value.is_graph_output():
         return True

@@ -13,10 +13,10 @@ import onnx_ir as ir
 from onnxscript.rewriter import _basics, _matcher, pattern
 
 from onnx_moe_fuse.rewrites.qkv.graph import (
-    _COUNT_PREFIX,
+    COUNT_PREFIX,
     MS_DOMAIN,
-    _label,
-    _v,
+    item_label,
+    pattern_var,
 )
 
 # -- pattern pieces ----------------------------------------------------------------------------
@@ -25,22 +25,22 @@ from onnx_moe_fuse.rewrites.qkv.graph import (
 def _norm_input(op, with_add: bool):
     """The value the norm reads: ``A``, or ``Add(A, skip)`` bound as ``residual``."""
     if with_add:
-        return op.Add(_v("a"), _v("skip"), _outputs=["residual"])
-    return _v("x")
+        return op.Add(pattern_var("a"), pattern_var("skip"), _outputs=["residual"])
+    return pattern_var("x")
 
 
 def _decomposed(op, x, final: str):
     """The decomposed RMS norm of ``x``; ``final`` picks the spelling of its last node."""
     x_c = pattern.OrValue([op.Cast(x, _outputs=["x_up"]), x], name="x_c")
     sq = pattern.OrValue(
-        [op.Pow(x_c, _v("pow_exponent"), _outputs=["sq_pow"]), op.Mul(x_c, x_c)], name="sq"
+        [op.Pow(x_c, pattern_var("pow_exponent"), _outputs=["sq_pow"]), op.Mul(x_c, x_c)], name="sq"
     )
-    mean_sq = op.ReduceMean(sq, _v("rm_axes", True), _outputs=["mean_sq"])
-    eps = _v("epsilon")
+    mean_sq = op.ReduceMean(sq, pattern_var("rm_axes", True), _outputs=["mean_sq"])
+    eps = pattern_var("epsilon")
     mean_eps = pattern.OrValue([op.Add(mean_sq, eps), op.Add(eps, mean_sq)], name="mean_sq_eps")
     rms = op.Sqrt(mean_eps, _outputs=["rms"])
     inv = pattern.OrValue(
-        [op.Reciprocal(rms), op.Div(_v("one"), rms, _outputs=["inv_div"])], name="inv_rms"
+        [op.Reciprocal(rms), op.Div(pattern_var("one"), rms, _outputs=["inv_div"])], name="inv_rms"
     )
     normalized = pattern.OrValue(
         [op.Div(x_c, rms), op.Mul(x_c, inv), op.Mul(inv, x_c)], name="normalized"
@@ -48,7 +48,7 @@ def _decomposed(op, x, final: str):
     normalized_t = pattern.OrValue(
         [op.Cast(normalized, _outputs=["normalized_cast"]), normalized], name="normalized_t"
     )
-    scale = _v("norm_scale")
+    scale = pattern_var("norm_scale")
     scale_c = pattern.OrValue([op.Cast(scale, _outputs=["scale_cast"]), scale], name="scale_c")
     if final == "mul_ns":
         return op.Mul(normalized_t, scale_c, _outputs=["normed"])
@@ -60,7 +60,7 @@ def _decomposed(op, x, final: str):
     return op.Cast(scaled, _outputs=["normed"])
 
 
-def _norm(op, form: str):
+def norm_pattern(op, form: str):
     """``(normed, residual or None)`` for one of :data:`NORM_FORMS`."""
     if form.startswith("skip_sln"):
         if form == "skip_sln_residual":
@@ -68,7 +68,7 @@ def _norm(op, form: str):
         else:
             outs = ["normed"]
         values = op.SkipSimplifiedLayerNormalization(
-            _v("a"), _v("skip"), _v("norm_scale"), _v("ssln_bias", True), _domain=MS_DOMAIN,
+            pattern_var("a"), pattern_var("skip"), pattern_var("norm_scale"), pattern_var("ssln_bias", True), _domain=MS_DOMAIN,
             _outputs=outs,
         )  # fmt: skip
         if form == "skip_sln_residual":
@@ -79,27 +79,27 @@ def _norm(op, form: str):
     x = _norm_input(op, with_add)
     residual = x if with_add else None
     if body == "sln":
-        normed = op.SimplifiedLayerNormalization(x, _v("norm_scale"), _outputs=["normed"])
+        normed = op.SimplifiedLayerNormalization(x, pattern_var("norm_scale"), _outputs=["normed"])
     elif body == "rms":
-        normed = op.RMSNormalization(x, _v("norm_scale"), _outputs=["normed"])
+        normed = op.RMSNormalization(x, pattern_var("norm_scale"), _outputs=["normed"])
     else:
         normed = _decomposed(op, x, body.removeprefix("decomposed_"))
     return normed, residual
 
 
-def _projection(op, normed, slot: int, kind: str):
+def projection(op, normed, slot: int, kind: str):
     if kind == "n":
         return op.MatMulNBits(
             normed,
-            _v(f"p{slot}_B"),
-            _v(f"p{slot}_scales"),
-            _v(f"p{slot}_zero_points", True),
-            _v(f"p{slot}_g_idx", True),
-            _v(f"p{slot}_bias", True),
+            pattern_var(f"p{slot}_B"),
+            pattern_var(f"p{slot}_scales"),
+            pattern_var(f"p{slot}_zero_points", True),
+            pattern_var(f"p{slot}_g_idx", True),
+            pattern_var(f"p{slot}_bias", True),
             _domain=MS_DOMAIN,
             _outputs=[f"p{slot}"],
         )
-    return op.MatMul(normed, _v(f"p{slot}_weight"), _outputs=[f"p{slot}"])
+    return op.MatMul(normed, pattern_var(f"p{slot}_weight"), _outputs=[f"p{slot}"])
 
 
 def _is_projection_of(node: ir.Node, value: ir.Value) -> bool:
@@ -118,23 +118,25 @@ def _projection_consumers(normed: ir.Value) -> list[ir.Node]:
 
 
 def _count_reason(normed: ir.Value, found: Sequence[ir.Node]) -> str:
-    labels = ", ".join(_label(n) for n in found)
+    labels = ", ".join(item_label(n) for n in found)
     n = len(found)
     if n == 0:
-        return f"no projection (MatMulNBits or MatMul) reads the normalised value {_label(normed)}"
+        return (
+            f"no projection (MatMulNBits or MatMul) reads the normalised value {item_label(normed)}"
+        )
     if n < 3:
         words = {1: "only one projection", 2: "only two projections"}[n]
         return (
-            f"{_COUNT_PREFIX} {_label(normed)} feeds {words} ({labels}); MatMulNBitsQkv needs "
+            f"{COUNT_PREFIX} {item_label(normed)} feeds {words} ({labels}); MatMulNBitsQkv needs "
             "exactly three (Q, K and V)"
         )
     return (
-        f"{_COUNT_PREFIX} {_label(normed)} feeds {n} projections ({labels}); MatMulNBitsQkv "
+        f"{COUNT_PREFIX} {item_label(normed)} feeds {n} projections ({labels}); MatMulNBitsQkv "
         "takes exactly three, and which three are Q, K and V cannot be told"
     )
 
 
-class _PreludeMatcher(_matcher.SimplePatternMatcher):
+class PreludeMatcher(_matcher.SimplePatternMatcher):
     """Matches the norm at the visited node, then its three projections among its readers.
 
     onnxscript's generic multi-output search tries every combination of graph nodes for the

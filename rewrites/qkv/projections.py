@@ -13,25 +13,25 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.qkv.graph import (
-    _BITS,
-    _BLOCK,
-    _KERNEL_DTYPES,
-    _PRECISION,
+    BITS,
+    BLOCK,
+    KERNEL_DTYPES,
+    PRECISION,
     Refusal,
-    _const,
-    _dtype,
-    _dtype_name,
-    _int_attr,
-    _label,
-    _rank,
-    _static_shape,
+    const,
+    dtype_name,
+    elem_type,
+    int_attr,
+    item_label,
+    static_rank,
+    static_shape,
 )
 
 # -- analysis ----------------------------------------------------------------------------------
 
 
 @dataclass
-class _Projection:
+class Projection:
     """One projection, read and validated."""
 
     node: ir.Node
@@ -45,7 +45,7 @@ class _Projection:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """Everything the rewrite needs, proven by the analysis."""
 
     anchor: ir.Node
@@ -56,7 +56,7 @@ class _Plan:
     epsilon: float
     dtype: ir.DataType
     k: int
-    projections: list[_Projection]  # in pattern slot order
+    projections: list[Projection]  # in pattern slot order
     roles: dict[str, int]  # "q" / "k" / "v" -> index into projections
     residual: ir.Value | None  # the pattern's residual output (skip forms)
     emit_residual: bool  # the fused node's output 3 replaces the residual
@@ -78,38 +78,40 @@ class _Plan:
             "K": self.k,
             "Nq": self.nq,
             "Nkv": self.nkv,
-            "bits": _BITS,
-            "block_size": _BLOCK,
+            "bits": BITS,
+            "block_size": BLOCK,
             "epsilon": self.epsilon,
             "accuracy_level": 0,
         }
 
 
-def _refuse(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
+def refuse(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
     return Refusal(reason, *[s for s in sources if s is not None])
 
 
 def _check_zero_points_nbits(proj: ir.Node, zp: ir.Value, n: int, kb: int) -> None:
-    arr = _const(zp)
+    arr = const(zp)
     if arr is None:
-        raise _refuse(
-            f"{_label(proj)}: its zero points {_label(zp)} are not constant, so they cannot be "
+        raise refuse(
+            f"{item_label(proj)}: its zero points {item_label(zp)} are not constant, so they cannot be "
             "proven symmetric (all 8)",
             proj,
             zp,
         )
     if arr.dtype == np.uint8:
-        per_row = -(-kb * _BITS // 8)
+        per_row = -(-kb * BITS // 8)
         if arr.size != n * per_row:
-            raise _refuse(f"{_label(proj)}: zero points of unexpected shape {arr.shape}", proj, zp)
+            raise refuse(
+                f"{item_label(proj)}: zero points of unexpected shape {arr.shape}", proj, zp
+            )
         lo = arr.reshape(n, per_row) & 0x0F
         hi = arr.reshape(n, per_row) >> 4
         points = np.stack([lo, hi], axis=-1).reshape(n, 2 * per_row)[:, :kb]
     else:
         points = arr.astype(np.float64).reshape(-1)
     if not np.all(points == 8):
-        raise _refuse(
-            f"{_label(proj)}: asymmetric zero points (not all 8); MatMulNBitsQkv has no "
+        raise refuse(
+            f"{item_label(proj)}: asymmetric zero points (not all 8); MatMulNBitsQkv has no "
             "zero-point inputs, its 4-bit weights are symmetric (zero point 8)",
             proj,
             zp,
@@ -119,59 +121,59 @@ def _check_zero_points_nbits(proj: ir.Node, zp: ir.Value, n: int, kb: int) -> No
 def _nbits_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s: int):
     b, scales = bindings[f"p{s}_B"], bindings[f"p{s}_scales"]
     zp, g_idx, bias = (bindings.get(f"p{s}_{n}") for n in ("zero_points", "g_idx", "bias"))
-    label = _label(node)
-    k, n = _int_attr(node, "K", None), _int_attr(node, "N", None)
-    bits, bs = _int_attr(node, "bits", 4), _int_attr(node, "block_size", None)
+    label = item_label(node)
+    k, n = int_attr(node, "K", None), int_attr(node, "N", None)
+    bits, bs = int_attr(node, "bits", 4), int_attr(node, "block_size", None)
     if k is None or n is None or bs is None:
-        raise _refuse(f"{label}: MatMulNBits without its K, N or block_size attribute", node)
-    if _int_attr(node, "weight_prepacked", 0):
-        raise _refuse(f"{label}: weight_prepacked=1 (an execution-provider layout)", node)
-    if bits != _BITS:
-        raise _refuse(
+        raise refuse(f"{label}: MatMulNBits without its K, N or block_size attribute", node)
+    if int_attr(node, "weight_prepacked", 0):
+        raise refuse(f"{label}: weight_prepacked=1 (an execution-provider layout)", node)
+    if bits != BITS:
+        raise refuse(
             f"{label}: {bits}-bit weights (bits={bits}); MatMulNBitsQkv's kernels take 4-bit "
             "weights only",
             node,
         )
-    if bs != _BLOCK:
-        raise _refuse(
+    if bs != BLOCK:
+        raise refuse(
             f"{label}: quantised with block_size {bs} along K; MatMulNBitsQkv's kernels take "
-            f"block_size {_BLOCK} only",
+            f"block_size {BLOCK} only",
             node,
         )
     if bias is not None:
-        raise _refuse(f"{label}: has a bias input; MatMulNBitsQkv's kernels add none", node, bias)
+        raise refuse(f"{label}: has a bias input; MatMulNBitsQkv's kernels add none", node, bias)
     kb = -(-k // bs)
     if g_idx is not None:
-        arr = _const(g_idx)
+        arr = const(g_idx)
         if arr is None or not np.array_equal(arr.reshape(-1), np.arange(k) // bs):
-            raise _refuse(
-                f"{label}: an act-order g_idx ({_label(g_idx)}) that is not the plain k // "
+            raise refuse(
+                f"{label}: an act-order g_idx ({item_label(g_idx)}) that is not the plain k // "
                 f"{bs} block order",
                 node,
                 g_idx,
             )
     if zp is not None:
         _check_zero_points_nbits(node, zp, n, kb)
-    b_type = _dtype(b)
+    b_type = elem_type(b)
     if b_type is not None and b_type != ir.DataType.UINT8:
-        raise _refuse(f"{label}: B is {_dtype_name(b_type)}, not uint8", node, b)
-    b_shape = _static_shape(b)
+        raise refuse(f"{label}: B is {dtype_name(b_type)}, not uint8", node, b)
+    b_shape = static_shape(b)
     if b_shape is not None and b_shape != (n, kb, bs * bits // 8):
-        raise _refuse(
+        raise refuse(
             f"{label}: B has shape {list(b_shape)}, not [N, k_blocks, blob] = "
             f"{[n, kb, bs * bits // 8]}",
             node,
             b,
         )
-    dtype = _dtype(scales)
+    dtype = elem_type(scales)
     if dtype is None:
-        raise _refuse(f"{label}: cannot tell the element type of its scales", node, scales)
-    s_shape = _static_shape(scales)
+        raise refuse(f"{label}: cannot tell the element type of its scales", node, scales)
+    s_shape = static_shape(scales)
     scales_out: ir.Value | np.ndarray = scales
     if s_shape != (n, kb):
-        arr = _const(scales)
+        arr = const(scales)
         if arr is None or arr.size != n * kb:
-            raise _refuse(
+            raise refuse(
                 f"{label}: scales of shape {s_shape if s_shape is None else list(s_shape)} "
                 f"that cannot be proven to be [N, k_blocks] = {[n, kb]}",
                 node,
@@ -179,16 +181,16 @@ def _nbits_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any],
             )
         scales_out = np.ascontiguousarray(arr.reshape(n, kb))
     names = [node.name, output.name, b.name, scales.name]
-    return _Projection(node, output, n, k, dtype, b, scales_out, [x for x in names if x])
+    return Projection(node, output, n, k, dtype, b, scales_out, [x for x in names if x])
 
 
 def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s: int):
-    label = _label(node)
+    label = item_label(node)
     weight = bindings[f"p{s}_weight"]
     dq = weight.producer()
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain != "":
-        raise _refuse(
-            f"{label}: its weights {_label(weight)} are not a DequantizeLinear output (float or "
+        raise refuse(
+            f"{label}: its weights {item_label(weight)} are not a DequantizeLinear output (float or "
             "otherwise quantised weights); MatMulNBitsQkv takes 4-bit blocked weights",
             node,
             weight,
@@ -196,86 +198,86 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
     codes_v = dq.inputs[0]
     scale_v = dq.inputs[1] if len(dq.inputs) > 1 else None
     zp_v = dq.inputs[2] if len(dq.inputs) > 2 else None
-    codes, scale = _const(codes_v), _const(scale_v)
+    codes, scale = const(codes_v), const(scale_v)
     if codes is None or scale is None:
-        raise _refuse(
+        raise refuse(
             f"{label}: the DequantizeLinear weights or scales are not constant, so they cannot "
             "be repacked at fusion time (weights not constant)",
             node,
             dq,
         )
-    ctype = _dtype(codes_v)
+    ctype = elem_type(codes_v)
     if ctype in (ir.DataType.INT8, ir.DataType.UINT8):
-        raise _refuse(
-            f"{label}: 8-bit weights ({_dtype_name(ctype)} behind DequantizeLinear); "
+        raise refuse(
+            f"{label}: 8-bit weights ({dtype_name(ctype)} behind DequantizeLinear); "
             "MatMulNBitsQkv's kernels take 4-bit weights only",
             node,
             dq,
         )
     if ctype not in (ir.DataType.INT4, ir.DataType.UINT4):
-        raise _refuse(
-            f"{label}: weights of type {_dtype_name(ctype)} behind DequantizeLinear; "
+        raise refuse(
+            f"{label}: weights of type {dtype_name(ctype)} behind DequantizeLinear; "
             "MatMulNBitsQkv takes int4 / uint4 weights only",
             node,
             dq,
         )
     if codes.ndim != 2:
-        raise _refuse(f"{label}: DequantizeLinear weights of rank {codes.ndim}, not [K, N]", dq)
+        raise refuse(f"{label}: DequantizeLinear weights of rank {codes.ndim}, not [K, N]", dq)
     k, n = codes.shape
-    axis = _int_attr(dq, "axis", 1)
-    bs = _int_attr(dq, "block_size", 0)
+    axis = int_attr(dq, "axis", 1)
+    bs = int_attr(dq, "block_size", 0)
     if not bs:
-        raise _refuse(
+        raise refuse(
             f"{label}: the weights are quantised per tensor or per channel, not in blocks of "
-            f"{_BLOCK} along K",
+            f"{BLOCK} along K",
             node,
             dq,
         )
     if axis not in (0, -2):
-        raise _refuse(
+        raise refuse(
             f"{label}: the weights are blocked along axis {axis} (N), not along K", node, dq
         )
-    if bs != _BLOCK:
-        raise _refuse(
+    if bs != BLOCK:
+        raise refuse(
             f"{label}: quantised with block_size {bs} along K; MatMulNBitsQkv's kernels take "
-            f"block_size {_BLOCK} only",
+            f"block_size {BLOCK} only",
             node,
             dq,
         )
     kb = -(-k // bs)
     if scale.shape != (kb, n):
-        raise _refuse(
+        raise refuse(
             f"{label}: DequantizeLinear scale of shape {list(scale.shape)}, not [k_blocks, N] = "
             f"{[kb, n]}",
             node,
             dq,
         )
-    out_dtype = _int_attr(dq, "output_dtype", 0)
+    out_dtype = int_attr(dq, "output_dtype", 0)
     dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(scale.dtype)
     if out_dtype and ir.DataType.from_numpy(scale.dtype) != dtype:
-        raise _refuse(f"{label}: DequantizeLinear output_dtype differs from its scale's", dq)
+        raise refuse(f"{label}: DequantizeLinear output_dtype differs from its scale's", dq)
     signed = ctype == ir.DataType.INT4
     if zp_v is None:
         if not signed:
-            raise _refuse(
+            raise refuse(
                 f"{label}: asymmetric zero point: a uint4 DequantizeLinear without zero point has "
                 "zero point 0, not MatMulNBits' 8",
                 node,
                 dq,
             )
     else:
-        zp = _const(zp_v)
+        zp = const(zp_v)
         if zp is None:
-            raise _refuse(
+            raise refuse(
                 f"{label}: the zero points are not constant, so they cannot be proven symmetric",
                 node,
                 zp_v,
             )
         want = 0 if signed else 8
         if zp.size not in (1, kb * n) or not np.all(zp.astype(np.int64) == want):
-            raise _refuse(
+            raise refuse(
                 f"{label}: asymmetric zero points (not all {want} for "
-                f"{_dtype_name(ctype)}); MatMulNBitsQkv's 4-bit weights are symmetric",
+                f"{dtype_name(ctype)}); MatMulNBitsQkv's 4-bit weights are symmetric",
                 node,
                 zp_v,
             )
@@ -286,10 +288,10 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
     b = (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).astype(np.uint8)  # low nibble first
     scales = np.ascontiguousarray(scale.T.astype(scale.dtype))
     names = [node.name, output.name, weight.name, codes_v.name, dq.name]
-    return _Projection(node, output, n, k, dtype, b, scales, [x for x in names if x])
+    return Projection(node, output, n, k, dtype, b, scales, [x for x in names if x])
 
 
-def _read_projections(bindings: dict[str, Any]) -> list[_Projection]:
+def read_projections(bindings: dict[str, Any]) -> list[Projection]:
     projections = []
     for s in (1, 2, 3):
         output = bindings[f"p{s}"]
@@ -300,54 +302,54 @@ def _read_projections(bindings: dict[str, Any]) -> list[_Projection]:
             projections.append(_dq_projection(node, output, bindings, s))
     ks = {p.k for p in projections}
     if len(ks) != 1:
-        raise _refuse(
+        raise refuse(
             "the projections disagree on K: "
-            + ", ".join(f"{_label(p.node)} K={p.k}" for p in projections),
+            + ", ".join(f"{item_label(p.node)} K={p.k}" for p in projections),
             *[p.node for p in projections],
         )
     dtypes = {p.dtype for p in projections}
     if len(dtypes) != 1:
-        raise _refuse(
+        raise refuse(
             "the projections compute in different types: "
-            + ", ".join(f"{_label(p.node)} {_dtype_name(p.dtype)}" for p in projections),
+            + ", ".join(f"{item_label(p.node)} {dtype_name(p.dtype)}" for p in projections),
             *[p.node for p in projections],
         )
     dtype = projections[0].dtype
-    if dtype not in _KERNEL_DTYPES:
-        raise _refuse(
-            f"the projections compute in {_dtype_name(dtype)}; MatMulNBitsQkv's kernels take "
+    if dtype not in KERNEL_DTYPES:
+        raise refuse(
+            f"the projections compute in {dtype_name(dtype)}; MatMulNBitsQkv's kernels take "
             "float32 and float16",
             projections[0].node,
         )
     return projections
 
 
-def _first_rank(*values: ir.Value | None) -> int | None:
+def first_rank(*values: ir.Value | None) -> int | None:
     for v in values:
-        r = _rank(v)
+        r = static_rank(v)
         if r is not None:
             return r
     return None
 
 
-def _check_last_axis(node: ir.Node, axis: int, rank: int | None, what: str) -> None:
+def check_last_axis(node: ir.Node, axis: int, rank: int | None, what: str) -> None:
     if axis == -1 or (rank is not None and axis == rank - 1):
         return
     if rank is None and axis >= 0:
-        raise _refuse(
-            f"{_label(node)}: {what} axis {axis}, and the input's rank is unknown, so it cannot "
+        raise refuse(
+            f"{item_label(node)}: {what} axis {axis}, and the input's rank is unknown, so it cannot "
             "be proven to be the last axis",
             node,
         )
-    raise _refuse(f"{_label(node)}: {what} axis {axis}, not the last axis", node)
+    raise refuse(f"{item_label(node)}: {what} axis {axis}, not the last axis", node)
 
 
-def _precise_enough(node: ir.Node, compute: ir.DataType | None, dtype: ir.DataType, what: str):
+def precise_enough(node: ir.Node, compute: ir.DataType | None, dtype: ir.DataType, what: str):
     if compute is None:
-        raise _refuse(f"{_label(node)}: cannot tell the type {what} is computed in", node)
-    if _PRECISION.get(compute, 0) < _PRECISION[dtype]:
-        raise _refuse(
-            f"{_label(node)}: {what} is computed in {_dtype_name(compute)}, less precise than "
-            f"the model's {_dtype_name(dtype)} (the fused node computes in float32)",
+        raise refuse(f"{item_label(node)}: cannot tell the type {what} is computed in", node)
+    if PRECISION.get(compute, 0) < PRECISION[dtype]:
+        raise refuse(
+            f"{item_label(node)}: {what} is computed in {dtype_name(compute)}, less precise than "
+            f"the model's {dtype_name(dtype)} (the fused node computes in float32)",
             node,
         )

@@ -14,13 +14,13 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.qkv.graph import (
-    _ROLES,
     MS_DOMAIN,
-    _label,
+    ROLES,
+    item_label,
 )
 from onnx_moe_fuse.rewrites.qkv.projections import (
-    _Projection,
-    _refuse,
+    Projection,
+    refuse,
 )
 
 # -- Q, K and V --------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def _downstream(output: ir.Value) -> tuple[set[str], bool, list[str]]:
             key = (user.domain, user.op_type)
             if key in _ATTENTION_OPS:
                 if index < 3:
-                    roles.add(_ROLES[index])
+                    roles.add(ROLES[index])
                 continue
             if key in _ROPE_OPS and index == 0:
                 rope = True
@@ -147,20 +147,20 @@ def _name_role(names: Iterable[str]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _assign_roles(projections: list[_Projection], order: list[int]) -> dict[str, int]:
+def assign_roles(projections: list[Projection], order: list[int]) -> dict[str, int]:
     """Decide which projection is Q, K and V; see the module docstring."""
     widths = [p.n for p in projections]
-    labels = [_label(p.node) for p in projections]
+    labels = [item_label(p.node) for p in projections]
     nodes = [p.node for p in projections]
     if len(set(widths)) == 3:
-        raise _refuse(
+        raise refuse(
             "the three projections have different widths "
             + ", ".join(f"{lab} N={w}" for lab, w in zip(labels, widths, strict=True))
             + "; K and V must have the same width (Nkv)",
             *nodes,
         )
     perms = [
-        dict(zip(_ROLES, p, strict=True))
+        dict(zip(ROLES, p, strict=True))
         for p in itertools.permutations(range(3))
         if widths[p[1]] == widths[p[2]]
     ]
@@ -191,7 +191,7 @@ def _assign_roles(projections: list[_Projection], order: list[int]) -> dict[str,
                 f"{labels[i]} is {'Q or K' if r == 'qk' else r.upper()}"
                 for i, r in evidence.items()
             )
-            raise _refuse(
+            raise refuse(
                 f"the {kind} ({said}) contradicts the widths "
                 + ", ".join(f"{lab} N={w}" for lab, w in zip(labels, widths, strict=True))
                 + " (K and V share one width)",
@@ -199,7 +199,7 @@ def _assign_roles(projections: list[_Projection], order: list[int]) -> dict[str,
             )
         perms = kept
     if len({perm["q"] for perm in perms}) != 1:
-        raise _refuse(
+        raise refuse(
             f"cannot tell which projection is Q: all three have width {widths[0]} and nothing "
             "downstream (attention inputs, RoPE, value names) tells them apart",
             *nodes,

@@ -66,40 +66,40 @@ from onnxscript.rewriter import _basics, pattern
 
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 from onnx_moe_fuse.rewrites.qkv.graph import (
-    _COUNT_PREFIX,
-    _ROLES,
+    COUNT_PREFIX,
     FUSED_ATTRIBUTES,
     FUSED_OP,
     MS_DOMAIN,
     NORM_FORMS,
     PROJECTION_MIXES,
     REPLACED_KEY,
+    ROLES,
     Refusal,
-    _dims,
-    _label,
-    _pick,
+    item_label,
+    pick,
+    static_dims,
 )
 from onnx_moe_fuse.rewrites.qkv.norm import (
-    _decomposed_facts,
-    _fused_scale,
-    _norm_nodes,
-    _op_norm_facts,
-    _read_uses,
-    _same_shape,
+    decomposed_facts,
+    fused_scale,
+    norm_region_nodes,
+    op_norm_facts,
+    read_uses,
+    same_shape,
 )
 from onnx_moe_fuse.rewrites.qkv.pattern import (
-    _norm,
-    _PreludeMatcher,
-    _projection,
+    PreludeMatcher,
+    norm_pattern,
+    projection,
 )
 from onnx_moe_fuse.rewrites.qkv.projections import (
-    _first_rank,
-    _Plan,
-    _read_projections,
-    _refuse,
+    Plan,
+    first_rank,
+    read_projections,
+    refuse,
 )
 from onnx_moe_fuse.rewrites.qkv.roles import (
-    _assign_roles,
+    assign_roles,
 )
 
 __all__ = [
@@ -119,46 +119,46 @@ __all__ = [
 # -- the whole analysis ------------------------------------------------------------------------
 
 
-def _analyse(b: dict[str, Any], form: str) -> _Plan:
+def _analyse(b: dict[str, Any], form: str) -> Plan:
     """Prove the rewrite equivalent and plan it, or raise a refusal naming the reason."""
     normed = b["normed"]
     anchor = normed.producer()
-    projections = _read_projections(b)
+    projections = read_projections(b)
     dtype = projections[0].dtype
     k = projections[0].k
     residual = b.get("residual")
-    a_in = _pick(b, "a", "x")
+    a_in = pick(b, "a", "x")
     skip_in = b.get("skip")
-    rank = _first_rank(a_in, skip_in, residual, normed, *[p.output for p in projections])
+    rank = first_rank(a_in, skip_in, residual, normed, *[p.output for p in projections])
     if form.removeprefix("add_").startswith("decomposed"):
-        facts = _decomposed_facts(b, dtype, rank)
+        facts = decomposed_facts(b, dtype, rank)
     else:
-        facts = _op_norm_facts(b, dtype, rank)
+        facts = op_norm_facts(b, dtype, rank)
     if rank not in (2, 3):
-        raise _refuse(
-            f"the norm's input {_label(facts.x)} has "
+        raise refuse(
+            f"the norm's input {item_label(facts.x)} has "
             + ("an unknown rank (run shape inference)" if rank is None else f"rank {rank}")
             + "; MatMulNBitsQkv takes [T, K] or [B, S, K]",
             facts.x,
         )
-    last = _dims(a_in)
+    last = static_dims(a_in)
     if last is not None and last[-1] != k:
-        raise _refuse(
-            f"the norm's input {_label(a_in)} has last axis {last[-1]}, but the projections "
+        raise refuse(
+            f"the norm's input {item_label(a_in)} has last axis {last[-1]}, but the projections "
             f"have K={k}",
             a_in,
         )
     if not np.isfinite(facts.epsilon) or facts.epsilon < 0:
-        raise _refuse(f"the norm's epsilon {facts.epsilon} is negative or not finite", anchor)
-    scale = _fused_scale(facts, dtype, k)
+        raise refuse(f"the norm's epsilon {facts.epsilon} is negative or not finite", anchor)
+    scale = fused_scale(facts, dtype, k)
 
     # What dies with the rewrite, and where A + skip comes from.
     proj_nodes = [p.node for p in projections]
-    norm_nodes = _norm_nodes(normed, [a_in, skip_in, facts.scale])
+    norm_nodes = norm_region_nodes(normed, [a_in, skip_in, facts.scale])
     norm_ids = {id(n) for n in norm_nodes}
     proj_ids = {id(n) for n in proj_nodes}
-    survives = _read_uses(normed, proj_ids) or any(
-        _read_uses(v, norm_ids | proj_ids)
+    survives = read_uses(normed, proj_ids) or any(
+        read_uses(v, norm_ids | proj_ids)
         for n in norm_nodes
         for v in n.outputs
         if v is not normed and v is not residual
@@ -166,7 +166,7 @@ def _analyse(b: dict[str, Any], form: str) -> _Plan:
     a, skip, emit_residual = a_in, None, False
     if skip_in is not None:
         a, skip = b["a"], skip_in
-        residual_read = residual is not None and _read_uses(residual, norm_ids)
+        residual_read = residual is not None and read_uses(residual, norm_ids)
         if survives:
             if residual is not None and residual.name:
                 a, skip = residual, None  # the kept norm computes A + skip anyway
@@ -179,10 +179,10 @@ def _analyse(b: dict[str, Any], form: str) -> _Plan:
                 emit_residual = True
             else:  # a reader sits before the norm: keep the Add for it, read its output
                 a, skip = residual, None
-        if skip is not None and not _same_shape(b["a"], skip):
+        if skip is not None and not same_shape(b["a"], skip):
             if form.startswith("skip_sln"):
-                raise _refuse(
-                    f"{_label(anchor)}: the skip {_label(skip)} cannot be proven to have the "
+                raise refuse(
+                    f"{item_label(anchor)}: the skip {item_label(skip)} cannot be proven to have the "
                     f"input's shape (it may broadcast); MatMulNBitsQkv's skip must match A",
                     anchor,
                     skip,
@@ -190,11 +190,11 @@ def _analyse(b: dict[str, Any], form: str) -> _Plan:
             a, skip, emit_residual = residual, None, False
     graph = anchor.graph
     position = {id(n): i for i, n in enumerate(graph)} if graph is not None else {}
-    roles = _assign_roles(projections, [position.get(id(n), 0) for n in proj_nodes])
+    roles = assign_roles(projections, [position.get(id(n), 0) for n in proj_nodes])
     replaced = list(proj_nodes)
     if not survives:
         replaced = norm_nodes + replaced
-    return _Plan(
+    return Plan(
         anchor=anchor,
         normed=normed,
         a=a,
@@ -253,7 +253,7 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
             instance.pattern,
             instance.rewrite,
             instance.check,
-            _PreludeMatcher,
+            PreludeMatcher,
             name=instance.name,
             remove_nodes=False,
             graph_pre_visitor=instance.setup,
@@ -262,8 +262,8 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
 
     def pattern(self, op):
         """The norm (first output: its anchor) and its three projections (+ the residual)."""
-        normed, residual = _norm(op, self._form)
-        outs = [normed] + [_projection(op, normed, s + 1, k) for s, k in enumerate(self._mix)]
+        normed, residual = norm_pattern(op, self._form)
+        outs = [normed] + [projection(op, normed, s + 1, k) for s, k in enumerate(self._mix)]
         if residual is not None:
             outs.append(residual)
         return outs
@@ -297,7 +297,7 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
             plan.skip,
             value(plan.scale, "norm_scale"),
         ]
-        for role in _ROLES:
+        for role in ROLES:
             p = plan.projections[plan.roles[role]]
             inputs += [value(p.b, f"{role}_B"), value(p.scales, f"{role}_scales"), None]
         outs = op.op(
@@ -309,8 +309,8 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
             **plan.attributes(),
         )
         fused = outs[0].producer()
-        fused.metadata_props[REPLACED_KEY] = json.dumps([_label(n) for n in plan.replaced])
-        by_slot = {plan.roles[role]: outs[i] for i, role in enumerate(_ROLES)}
+        fused.metadata_props[REPLACED_KEY] = json.dumps([item_label(n) for n in plan.replaced])
+        by_slot = {plan.roles[role]: outs[i] for i, role in enumerate(ROLES)}
         result = [plan.normed] + [by_slot[i] for i in range(3)]
         if plan.residual is not None:
             result.append(outs[3] if plan.emit_residual else plan.residual)
@@ -380,8 +380,8 @@ def near_misses(model: onnx.ModelProto | ir.Model) -> list[NearMiss]:
             continue
         reason = match.reason or ""
         if status == _basics.MatchStatus.CONDITION_FAILED or (
-            status == _basics.MatchStatus.NO_MATCH and reason.startswith(_COUNT_PREFIX)
+            status == _basics.MatchStatus.NO_MATCH and reason.startswith(COUNT_PREFIX)
         ):
-            values = tuple(_label(v) for v in match.failure_nodes_and_values)
-            found.setdefault((id(node), reason), NearMiss(rule, _label(node), reason, values))
+            values = tuple(item_label(v) for v in match.failure_nodes_and_values)
+            found.setdefault((id(node), reason), NearMiss(rule, item_label(node), reason, values))
     return list(found.values())

@@ -21,8 +21,8 @@ import pytest
 from helpers import decompose_grouped_matmul
 
 import onnx_moe_fuse
-from onnx_moe_fuse.rewrites.canonical import canonicalisation_passes
 from onnx_moe_fuse.rewrites.canonical.experts.loops.expert_loop import expert_loop_refusals
+from onnx_moe_fuse.rewrites.canonical.passes import canonicalisation_passes
 
 OPTIMUM = Path(__file__).resolve().parents[2] / "sample_models" / "exported" / "optimum"
 LOOPS = ["qwen3_moe_optimum", "qwen3_moe_optimum_no_norm", "qwen3_moe_optimum_dynamo"]

@@ -254,7 +254,7 @@ def test_bad_arguments() -> None:
 
 def test_missing_kernel_package_skips_wgpu_with_reason(monkeypatch, rng) -> None:
     """While kernels/qmoe is not installed, the wgpu path is skipped and says so; ORT runs."""
-    from onnx_moe_fuse.verify.checker import evaluator
+    from onnx_moe_fuse.verify import evaluator
 
     real = evaluator.get_kernel
 

@@ -14,7 +14,7 @@ from helpers import nonzero_rel_err
 from onnx import helper
 
 from onnx_moe_fuse.samples import get_sample
-from onnx_moe_fuse.verify.checker import evaluator
+from onnx_moe_fuse.verify import evaluator
 from onnx_moe_fuse.verify.evaluator import (
     MATMUL_NBITS_QKV,
     QMOE,

@@ -11,7 +11,7 @@ targets only (``_graph_facts.reshape_dims``), so :class:`FoldShapesPass` rewrite
    pieces, a Reshape / Expand to the declared shape of its input). It reads declared shapes
    only, so a Shape of an undeclared intermediate, a product of symbolic dims or a target with
    two symbolic dims is left to the next step;
-2. every shape value is then evaluated symbolically (:func:`~.shape_values.shape_value`, ``shape_values.py``: each element a
+2. every shape value is then evaluated symbolically (:func:`~onnx_moe_fuse.rewrites.graph.symbolic_dims.shape_value`: each element a
    :class:`~onnx_moe_fuse.rewrites.graph.facts.Dim`, unknown sizes as symbols tied to the value
    and axis they come from, through :func:`~onnx_moe_fuse.rewrites.graph.facts.value_dims`).
    A shape that evaluates to numbers becomes a constant. A ``Reshape`` target that does not
@@ -37,14 +37,16 @@ import onnx_ir as ir
 import onnxscript.optimizer as onnxscript_optimizer
 
 from onnx_moe_fuse.rewrites.canonical.experts.slots.grouped_rows import grouped_rows_rules
-from onnx_moe_fuse.rewrites.graph.facts import Dim, attr_int, const_ints, reshape_dims, value_dims
+from onnx_moe_fuse.rewrites.graph.dims import Dim, reshape_dims
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints
 from onnx_moe_fuse.rewrites.graph.fresh_names import FreshNames
-from onnx_moe_fuse.rewrites.graph.shape_values import (
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import (
     INT64_INPUTS,
     SHAPE_ARITHMETIC,
     SHAPE_TYPES,
     ShapeValue,
     shape_value,
+    value_dims,
 )
 
 __all__ = ["FoldShapesPass", "ShapeValue", "shape_value", "grouped_rows_rules"]

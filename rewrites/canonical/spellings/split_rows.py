@@ -44,16 +44,9 @@ from onnx_moe_fuse.rewrites.canonical.spellings.common import (
     small_ints,
     unsqueeze,
 )
-from onnx_moe_fuse.rewrites.graph.facts import (
-    Dim,
-    attr_int,
-    node_axes,
-    normalize_axes,
-    product,
-    static_rank,
-    value_dims,
-)
-from onnx_moe_fuse.rewrites.graph.shape_values import shape_value
+from onnx_moe_fuse.rewrites.graph.dims import Dim, product
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, node_axes, normalize_axes, static_rank
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 __all__ = ["MulOfSplitRows", "SumOverKeptAxis", "TiledRowsAsExpand", "split_rows_rules"]
 

@@ -10,23 +10,3 @@ reads, back to FC1). Each recogniser matches a few small onnxscript patterns at 
 them into a :class:`~.facts.LayerParts`. The layer proofs (``_moe_analysis``) prove what the
 facts mean; the rules (``_moe_rule``) anchor at the combine and call both.
 """
-
-from onnx_moe_fuse.rewrites.moe.parts.facts import (
-    ActivationFact,
-    CombineFact,
-    LayerParts,
-    PartFailure,
-    ProjectionFact,
-    RoutingFact,
-)
-from onnx_moe_fuse.rewrites.moe.parts.layer import recognise_layer
-
-__all__ = [
-    "ActivationFact",
-    "CombineFact",
-    "LayerParts",
-    "PartFailure",
-    "ProjectionFact",
-    "RoutingFact",
-    "recognise_layer",
-]

@@ -17,8 +17,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from onnx_moe_fuse.rewrites.graph.facts import Dim, value_dims
-from onnx_moe_fuse.rewrites.graph.shape_values import shape_value
+from onnx_moe_fuse.rewrites.graph.dims import Dim
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 MODEL = """<ir_version: 10, opset_import: ["" : 18]>
 g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias) => (float[B, S, 8] out) {

@@ -20,9 +20,10 @@ from spellings.strategies import SMALL_BASE
 from onnx_moe_fuse.pipeline.canonicalise import canonicalise
 from onnx_moe_fuse.rewrites.graph.facts import Refusal
 from onnx_moe_fuse.rewrites.moe.analysis import expert_weights, part, refuse
-from onnx_moe_fuse.rewrites.moe.parts import PartFailure, recognise_layer
 from onnx_moe_fuse.rewrites.moe.parts.activation import recognise_activation
 from onnx_moe_fuse.rewrites.moe.parts.combine import recognise_combine
+from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
+from onnx_moe_fuse.rewrites.moe.parts.layer import recognise_layer
 from onnx_moe_fuse.rewrites.moe.parts.projections import (
     recognise_fc2,
     recognise_projection,

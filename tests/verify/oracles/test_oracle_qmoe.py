@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from helpers import altered, rel_err, seeded_rng
 
-from onnx_moe_fuse.verify.checker.oracles import moe as moe_oracle
+from onnx_moe_fuse.verify.oracles import moe as moe_oracle
 from onnx_moe_fuse.verify.oracles.moe import qmoe
 from onnx_moe_fuse.verify.oracles.quant import dequantize_qmoe, pack_qmoe, quantize_symmetric
 from onnx_moe_fuse.verify.ort_nodes import run_node

@@ -13,7 +13,7 @@ import secrets
 import numpy as np
 import pytest
 
-from onnx_moe_fuse.verify.checker.oracles import quant
+from onnx_moe_fuse.verify.oracles import quant
 
 
 def _rng() -> tuple[np.random.Generator, int]:

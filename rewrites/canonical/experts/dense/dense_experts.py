@@ -66,6 +66,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.emit import Emitter
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP, Projection, read_mlp
+from onnx_moe_fuse.rewrites.canonical.experts.dense.layer import DenseLayer
 from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import (
     DenseWeights,
     mask_users,
@@ -85,28 +86,6 @@ __all__ = [
 ]
 
 GROUPED_MATMUL_OPSET = 29
-
-
-class DenseLayer:
-    """A proved dense layer: its routing, mask, combine and expert MLPs."""
-
-    def __init__(
-        self, routing: Routing, mask: DenseWeights, combine: Combine, mlps: list[ExpertMLP]
-    ) -> None:
-        """Hold the proved parts; ``mlps`` is one per expert, or one stacked MLP."""
-        self.routing, self.mask, self.combine, self.mlps = routing, mask, combine, mlps
-
-    @property
-    def stacked(self) -> bool:
-        """True when the experts are one MLP over stacked ``[E, K, N]`` weights."""
-        return self.combine.stacked is not None
-
-    def nodes(self) -> list[ir.Node]:
-        """Every node the rewrite replaces (mask, combine, expert MLPs)."""
-        out = [*self.mask.nodes, *self.combine.nodes]
-        for mlp in self.mlps:
-            out += mlp.nodes
-        return list(dict.fromkeys(out))
 
 
 def _projections(mlp: ExpertMLP) -> list[tuple[str, Projection]]:

@@ -13,20 +13,16 @@ the layer rules' near misses name nodes and values the user's model has.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP
+from onnx_moe_fuse.rewrites.canonical.experts.dense.layer import DenseLayer
 from onnx_moe_fuse.rewrites.canonical.experts.dense.stack import (
     StackedWeight,
     stack_bias,
     stack_weights,
 )
-
-if TYPE_CHECKING:
-    from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import DenseLayer
 
 __all__ = ["Emitter"]
 

@@ -22,8 +22,8 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.loops.values import LoopRefusal, is_k, unsqueezed_last
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op
-from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, label, node_axes, value_dims
-from onnx_moe_fuse.rewrites.graph.shape_values import shape_value
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, label, node_axes
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 __all__ = ["read_rows", "read_weight"]
 

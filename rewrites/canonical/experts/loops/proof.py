@@ -50,13 +50,8 @@ from onnx_moe_fuse.rewrites.canonical.experts.loops.values import (
     topk_values_of,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op, uses
-from onnx_moe_fuse.rewrites.graph.facts import (
-    attr_int,
-    const_ints,
-    label,
-    static_last_dim,
-    value_dims,
-)
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, label, static_last_dim
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 
 __all__ = ["ExpertLoop", "LoopRefusal", "loop_candidates", "analyse_loop"]
 

@@ -29,15 +29,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op, small_const, uses
-from onnx_moe_fuse.rewrites.graph.facts import (
-    attr_int,
-    const_array,
-    const_ints,
-    label,
-    node_axes,
-    value_dims,
-)
-from onnx_moe_fuse.rewrites.graph.shape_values import shape_value
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_ints, label, node_axes
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 __all__ = [
     "LoopRefusal",

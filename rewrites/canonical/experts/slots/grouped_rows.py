@@ -16,15 +16,10 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
-from onnx_moe_fuse.rewrites.graph.facts import (
-    Dim,
-    attr_int,
-    const_ints,
-    node_axes,
-    reshape_dims,
-    value_dims,
-)
+from onnx_moe_fuse.rewrites.graph.dims import Dim, reshape_dims
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, node_axes
 from onnx_moe_fuse.rewrites.graph.fresh_names import FreshNames
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 
 __all__ = [
     "GroupedRowsBias",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.slots.unsqueeze import _ints_constant, _is_onnx
+from onnx_moe_fuse.rewrites.canonical.experts.slots.unsqueeze import ints_constant, is_onnx
 from onnx_moe_fuse.rewrites.graph.facts import (
     attr_int,
     const_ints,
@@ -74,7 +74,7 @@ class _RowsLayer:
 def _topk_k(idx: ir.Value) -> int | None:
     """k of the TopK whose ids are ``idx`` ``[T, E]`` -> ``[T, k]`` over the last axis."""
     topk = idx.producer()
-    if not _is_onnx(topk, "TopK") or len(topk.outputs) < 2 or topk.outputs[1] is not idx:
+    if not is_onnx(topk, "TopK") or len(topk.outputs) < 2 or topk.outputs[1] is not idx:
         return None
     if static_rank(topk.inputs[0]) != 2 or attr_int(topk, "axis", -1) not in (-1, 1):
         return None
@@ -85,7 +85,7 @@ def _topk_k(idx: ir.Value) -> int | None:
 def _weight_last_dim(value: ir.Value) -> int | None:
     """Last dim of a rank-3 weight (a constant, or a DequantizeLinear of one), shape only."""
     node = value.producer()
-    if _is_onnx(node, "DequantizeLinear") and node.inputs[0].const_value is not None:
+    if is_onnx(node, "DequantizeLinear") and node.inputs[0].const_value is not None:
         shape = node.inputs[0].const_value.shape
         return int(shape[-1]) if len(shape) == 3 and isinstance(shape[-1], int) else None
     if static_rank(value) != 3:
@@ -96,13 +96,13 @@ def _weight_last_dim(value: ir.Value) -> int | None:
 def _repeated_tokens(rows: ir.Value, k: int) -> ir.Value | None:
     """``x`` when ``rows`` is ``Reshape(Expand(Unsqueeze(x, [1]), [1, k, 1]), [-1, 1, H])``."""
     reshape = rows.producer()
-    if not _is_onnx(reshape, "Reshape"):
+    if not is_onnx(reshape, "Reshape"):
         return None
     expand = reshape.inputs[0].producer()
-    if not _is_onnx(expand, "Expand"):
+    if not is_onnx(expand, "Expand"):
         return None
     unsq = expand.inputs[0].producer()
-    if not _is_onnx(unsq, "Unsqueeze") or len(unsq.inputs) != 2:
+    if not is_onnx(unsq, "Unsqueeze") or len(unsq.inputs) != 2:
         return None
     x = unsq.inputs[0]
     hidden = static_last_dim(x)
@@ -149,7 +149,7 @@ def _broadcast_const(value: ir.Value) -> bool:
     tensor = value.const_value
     if tensor is None:
         producer = value.producer()
-        if not _is_onnx(producer, "Constant"):
+        if not is_onnx(producer, "Constant"):
             return False
         attr = producer.attributes.get("value")
         tensor = attr.value if attr is not None and not attr.is_ref() else None
@@ -181,7 +181,7 @@ def _shape_agnostic(node: ir.Node, inside: set[ir.Value]) -> bool:
 
 def _find(flat: ir.Node) -> _RowsLayer | None:
     """The layer whose weights are gathered by ``flat`` = ``Reshape(idx, [-1])``, if proven."""
-    if not _is_onnx(flat, "Reshape") or const_ints(flat.inputs[1]) != [-1]:
+    if not is_onnx(flat, "Reshape") or const_ints(flat.inputs[1]) != [-1]:
         return None
     idx = flat.inputs[0]
     k = _topk_k(idx) if idx is not None else None
@@ -189,13 +189,13 @@ def _find(flat: ir.Node) -> _RowsLayer | None:
         return None
     fc1, fc2, tokens = [], [], None
     for gather, index in flat.outputs[0].uses():
-        if not _is_onnx(gather, "Gather") or index != 1 or attr_int(gather, "axis", 0) != 0:
+        if not is_onnx(gather, "Gather") or index != 1 or attr_int(gather, "axis", 0) != 0:
             return None
         uses = list(gather.outputs[0].uses())
         if len(uses) != 1 or gather.outputs[0].is_graph_output():
             return None
         mm, slot = uses[0]
-        if not _is_onnx(mm, "MatMul") or slot != 1 or _weight_last_dim(gather.inputs[0]) is None:
+        if not is_onnx(mm, "MatMul") or slot != 1 or _weight_last_dim(gather.inputs[0]) is None:
             return None
         x = _repeated_tokens(mm.inputs[0], k)
         if x is not None and (tokens is None or x is tokens):
@@ -210,7 +210,7 @@ def _find(flat: ir.Node) -> _RowsLayer | None:
         return None
     unflatten = out_uses[0][0]
     h2 = _weight_last_dim(fc2[0].inputs[1].producer().inputs[0])
-    if not _is_onnx(unflatten, "Reshape") or const_ints(unflatten.inputs[1]) != [-1, k, h2]:
+    if not is_onnx(unflatten, "Reshape") or const_ints(unflatten.inputs[1]) != [-1, k, h2]:
         return None
     activation = _activation(fc1, fc2[0])
     if activation is None:
@@ -226,7 +226,7 @@ def _per_slot(
     gather.outputs[0].name = names.fresh(base)
     mm = ir.node("MatMul", [lhs, gather.outputs[0]], name=names.fresh(base))
     mm.outputs[0].name = names.fresh(base)
-    axes = _ints_constant(names, base, [2])
+    axes = ints_constant(names, base, [2])
     squeeze = ir.node("Squeeze", [mm.outputs[0], axes.outputs[0]], name=names.fresh(base))
     return [gather, mm, axes, squeeze]
 
@@ -241,10 +241,10 @@ def _take_over(old: ir.Value, new: ir.Value, names: FreshNames) -> None:
 
 def _rewrite(graph: ir.Graph, layer: _RowsLayer, names: FreshNames) -> None:
     base = layer.tokens.name or "tokens"
-    axes = _ints_constant(names, base, [1, 2])
+    axes = ints_constant(names, base, [1, 2])
     unsq = ir.node("Unsqueeze", [layer.tokens, axes.outputs[0]], name=names.fresh(base))
     unsq.outputs[0].name = names.fresh(base)
-    shape = _ints_constant(names, base, [1, layer.k, 1, 1])
+    shape = ints_constant(names, base, [1, layer.k, 1, 1])
     expand = ir.node("Expand", [unsq.outputs[0], shape.outputs[0]], name=names.fresh(base))
     expand.outputs[0].name = names.fresh(base)
     graph.insert_before(layer.fc1[0], [axes, unsq, shape, expand])
@@ -260,7 +260,7 @@ def _rewrite(graph: ir.Graph, layer: _RowsLayer, names: FreshNames) -> None:
             out.shape = None
     act = layer.fc2.inputs[0]
     base = layer.unflatten.outputs[0].name or "fc2"
-    row_axis = _ints_constant(names, base, [2])
+    row_axis = ints_constant(names, base, [2])
     lhs = ir.node("Unsqueeze", [act, row_axis.outputs[0]], name=names.fresh(base))
     lhs.outputs[0].name = names.fresh(base)
     weight = layer.fc2.inputs[1].producer().inputs[0]

@@ -77,7 +77,7 @@ def swapped_expand(
     return new_axes, new_shape
 
 
-def _is_onnx(node: ir.Node | None, op_type: str) -> bool:
+def is_onnx(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
@@ -88,7 +88,7 @@ def _input_axes(node: ir.Node) -> list[int] | None:
     return const_ints(node.inputs[1])
 
 
-def _ints_constant(names: FreshNames, base: str, values: list[int]) -> ir.Node:
+def ints_constant(names: FreshNames, base: str, values: list[int]) -> ir.Node:
     tensor = ir.tensor(np.asarray(values, dtype=np.int64), name=names.fresh(base))
     node = ir.node("Constant", [], attributes={"value": tensor}, name=names.fresh(base))
     node.outputs[0].name = tensor.name
@@ -121,7 +121,7 @@ def _remove_if_dead(graph: ir.Graph, node: ir.Node | None) -> None:
     inputs = [v.producer() for v in node.inputs if v is not None]
     graph.remove(node, safe=True)
     for producer in inputs:
-        if _is_onnx(producer, "Constant"):
+        if is_onnx(producer, "Constant"):
             _remove_if_dead(graph, producer)
 
 
@@ -132,7 +132,7 @@ def _rewrite_one(graph: ir.Graph, node: ir.Node, names: FreshNames) -> bool:
     if axes is None or producer is None or producer.graph is not graph:
         return False
     out_name = node.outputs[0].name or "unsqueeze"
-    if _is_onnx(producer, "Unsqueeze"):
+    if is_onnx(producer, "Unsqueeze"):
         inner = _input_axes(producer)
         base = producer.inputs[0]
         rank = static_rank(base)
@@ -141,11 +141,11 @@ def _rewrite_one(graph: ir.Graph, node: ir.Node, names: FreshNames) -> bool:
         merged = merged_unsqueeze_axes(inner, axes, rank)
         if merged is None:
             return False
-        axes_node = _ints_constant(names, out_name, merged)
+        axes_node = ints_constant(names, out_name, merged)
         unsq = ir.node("Unsqueeze", [base, axes_node.outputs[0]], name=names.fresh(out_name))
         _replace(graph, node, [axes_node, unsq], names)
         return True
-    if _is_onnx(producer, "Expand") and len(producer.inputs) == 2:
+    if is_onnx(producer, "Expand") and len(producer.inputs) == 2:
         base = producer.inputs[0]
         shape = const_ints(producer.inputs[1])
         rank = static_rank(base)
@@ -155,11 +155,11 @@ def _rewrite_one(graph: ir.Graph, node: ir.Node, names: FreshNames) -> bool:
         if swapped is None:
             return False
         new_axes, new_shape = swapped
-        axes_node = _ints_constant(names, out_name, new_axes)
+        axes_node = ints_constant(names, out_name, new_axes)
         unsq = ir.node("Unsqueeze", [base, axes_node.outputs[0]], name=names.fresh(out_name))
         unsq.outputs[0].name = names.fresh(out_name)
         unsq.outputs[0].type = base.type
-        shape_node = _ints_constant(names, out_name, new_shape)
+        shape_node = ints_constant(names, out_name, new_shape)
         expand = ir.node(
             "Expand", [unsq.outputs[0], shape_node.outputs[0]], name=names.fresh(out_name)
         )
@@ -175,7 +175,7 @@ def rewrite_unsqueeze_chains(graph: ir.Graph) -> bool:
     for _ in range(_MAX_SWEEPS):
         changed = False
         for node in list(graph):
-            if node.graph is graph and _is_onnx(node, "Unsqueeze"):
+            if node.graph is graph and is_onnx(node, "Unsqueeze"):
                 changed |= _rewrite_one(graph, node, names)
         modified |= changed
         if not changed:
