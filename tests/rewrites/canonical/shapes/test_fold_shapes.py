@@ -519,7 +519,7 @@ def test_samples_compute_the_same_and_fuse_the_same(sample, rng):
 
 
 EXPORTED = sorted(
-    (Path(__file__).resolve().parents[3] / "sample_models" / "exported").glob("*.onnx")
+    (Path(__file__).resolve().parents[4] / "sample_models" / "exported").glob("*.onnx")
 )
 
 

@@ -38,7 +38,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import (
     sorted_refusal_for,
 )
 
-SAMPLE = Path(__file__).resolve().parents[3] / "sample_models" / "exported" / "mixtral_grouped_mm"
+SAMPLE = Path(__file__).resolve().parents[4] / "sample_models" / "exported" / "mixtral_grouped_mm"
 BOUNDARY = ("hidden_states", "view", "linear", "sum_2", "output")
 
 
