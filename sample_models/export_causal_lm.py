@@ -48,7 +48,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_causal_lm_families import FAMILIES, Family, make_config  # noqa: E402
 from export_causal_lm_onnx import broken_fusion, export, first_line  # noqa: E402
-from export_transformers import _jsonable, ort_session, rel_err, versions  # noqa: E402
+from export_records import jsonable, ort_session, rel_err, versions  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "exported" / "causal_lm"
 SEED = 0
@@ -268,7 +268,7 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
         "export_seconds": round(export_s, 1),
         "versions": versions(),
         "seed": SEED,
-        "config": _jsonable(cfg.to_diff_dict()),
+        "config": jsonable(cfg.to_diff_dict()),
         "opset_import": {(o.domain or "ai.onnx"): o.version for o in model.opset_import},
         "inputs": _io(model.graph.input),
         "outputs": _io(model.graph.output),
