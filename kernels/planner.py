@@ -26,7 +26,7 @@ from onnx_moe_fuse.kernels.expressions import (
     make_f16_ok,
     parse,
 )
-from onnx_moe_fuse.kernels.manifest import KernelManifest, TensorSpec, Variant
+from onnx_moe_fuse.kernels.manifest_model import KernelManifest, TensorSpec, Variant
 
 #: numpy dtype -> manifest dtype name.
 NUMPY_DTYPES = {

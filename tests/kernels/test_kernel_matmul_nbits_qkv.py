@@ -234,13 +234,13 @@ def test_decode_and_tiled_walks_render_their_templates(device, rng):
     many = _random_call(rng, np.float32, (5,), (64, 40, 20), skip=False)
     for call, walk in ((one, "Decode walk"), (many, "Tiled walk")):
         plan = kernel.plan(**call, attrs=_attrs(call))
-        scope = kernel._variant_scope(plan)
+        scope = kernel.recorder.variant_scope(plan)
         main = plan.variant.passes[1]
         pass_scope = scope.child(derived=main.derive)
-        bindings = kernel._resolved_bindings(main, pass_scope)
+        bindings = kernel.recorder.resolved_bindings(main, pass_scope)
         code = kernel.render(
             main.shader,
-            kernel._template_constants(pass_scope, main),
+            kernel.recorder.template_constants(pass_scope, main),
             [facts for _, facts in bindings],
         )
         assert walk in code
