@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, TARGETS, Target, target_named
 from onnx_moe_fuse.errors import OptionError
 from onnx_moe_fuse.io.model_check import validate_model
 from onnx_moe_fuse.io.model_io import load_model
@@ -68,21 +68,29 @@ def _only(only: Iterable[str] | None) -> frozenset[str] | None:
     return ops
 
 
-def check_target(target: str) -> str:
-    """``target`` if it is one of ``ort_contract.TARGETS``, else :class:`OptionError`."""
-    if not isinstance(target, str) or target not in ort_contract.TARGETS:
+def check_target(target: Target | str) -> Target:
+    """The :class:`~onnx_moe_fuse.contract.targets.Target` a user's ``target`` names.
+
+    A name of ``TARGETS`` is parsed (once: the pipeline takes the object); a ``Target`` is
+    returned as it is; anything else is an :class:`OptionError` naming the choices.
+    """
+    if isinstance(target, Target):
+        return target
+    try:
+        return target_named(target)
+    except ValueError:
+        # the contract cannot raise the API's error type (it imports nothing of the project)
         raise OptionError(
-            f"target: unknown target {target!r}; choose one of {', '.join(ort_contract.TARGETS)}",
+            f"target: unknown target {target!r}; choose one of {', '.join(TARGETS)}",
             option="target",
-        )
-    return target
+        ) from None
 
 
 def fuse(
     model: onnx.ModelProto | ir.Model | str | os.PathLike[str],
     *,
     only: set[str] | frozenset[str] | None = None,
-    target: str = ort_contract.DEFAULT_TARGET,
+    target: Target | str = DEFAULT_TARGET,
 ) -> FuseResult:
     """Fuse every layer of ``model`` that provably equals one MoE / QMoE / MatMulNBitsQkv node.
 
@@ -107,7 +115,7 @@ def fuse(
             ``ModelNotFoundError``, ``ModelValidationError``, ``ExternalDataError``).
     """
     ops = _only(only)
-    check_target(target)
+    parsed = check_target(target)
     proto_in: onnx.ModelProto | None = None
     if isinstance(model, ir.Model):
         ir_model = model
@@ -122,7 +130,7 @@ def fuse(
     else:
         raise TypeError(f"fuse() takes a ModelProto, an onnx_ir.Model or a path, not {type(model)}")
     report = FusionReport()
-    fusion_pipeline(report, ops, target=target)(ir_model)
+    fusion_pipeline(report, ops, target=parsed)(ir_model)
     if not report.fusions and proto_in is not None:
         out = onnx.ModelProto()
         out.CopyFrom(proto_in)

@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, TARGETS, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError
 from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
 
@@ -71,10 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--target",
-        choices=ort_contract.TARGETS,
-        default=ort_contract.DEFAULT_TARGET,
+        choices=TARGETS,
+        default=DEFAULT_TARGET,
         help="the ONNX Runtime package the fused nodes are written for: only ops it has "
-        f"kernels for, with the attributes it accepts (default {ort_contract.DEFAULT_TARGET})",
+        f"kernels for, with the attributes it accepts (default {DEFAULT_TARGET})",
     )
     parser.add_argument(
         "--explain",
@@ -165,14 +165,14 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
     write_text_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
 
 
-def _print_fusions(report: dict[str, Any], target: str) -> None:
+def _print_fusions(report: dict[str, Any], target: Target) -> None:
     fusions = report["fusions"]
     if not fusions:
         print("nothing fused")
     for f in fusions:
         print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
     default = " (the default; --target picks another runtime)"
-    print(f"target {target}{default if target == ort_contract.DEFAULT_TARGET else ''}")
+    print(f"target {target.name}{default if target.name == DEFAULT_TARGET else ''}")
 
 
 def _print_near_misses(report: dict[str, Any]) -> None:
@@ -231,7 +231,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
 
     seeds = parse_seeds(args.seeds)
     only = parse_only(args.only)
-    target = api.check_target(args.target)
+    target = api.check_target(args.target)  # parsed once, handed down as it is
     if args.demo:
         input_path = None
     else:
@@ -262,7 +262,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "input": str(input_path) if input_path else "demo sample",
         "output": args.output,
-        "target": target,
+        "target": target.name,
         **result.report.to_dict(),
     }
     _print_fusions(report, target)
@@ -298,7 +298,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
 
 
 def _fuse_streaming(
-    args: argparse.Namespace, input_path: Path, only: set[str] | None, target: str
+    args: argparse.Namespace, input_path: Path, only: set[str] | None, target: Target
 ) -> int:
     """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
     from onnx_moe_fuse.streaming_io import fuse_file
@@ -307,7 +307,7 @@ def _fuse_streaming(
     report: dict[str, Any] = {
         "input": str(input_path),
         "output": args.output,
-        "target": target,
+        "target": target.name,
         **result.report.to_dict(),
     }
     _print_fusions(report, target)

@@ -47,6 +47,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from onnx_moe_fuse.contract.targets import DEFAULT, Target, as_target
 from onnx_moe_fuse.errors import ExternalDataError, ModelLoadError, MoEFuseError, OutputWriteError
 from onnx_moe_fuse.io.external_data import resolve_external_file
 from onnx_moe_fuse.io.model_check import all_tensors, is_external
@@ -200,7 +201,7 @@ def fuse_file(
     out_path: str | os.PathLike[str],
     *,
     only: Iterable[str] | None = None,
-    target: str | None = None,
+    target: Target | str | None = None,
 ) -> StreamedFusion:
     """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
 
@@ -208,7 +209,8 @@ def fuse_file(
         input_path: the ``.onnx`` file (its external data is read from beside it).
         out_path: the model file to write; its data file is ``<out name>.data`` beside it.
         only: the ops that may be emitted (default all; see :func:`onnx_moe_fuse.fuse`).
-        target: the runtime the fused nodes are written for (default: the pipeline's).
+        target: the runtime the fused nodes are written for, a ``Target`` or its name
+            (default: the pipeline's, ``ort-cpu``); a name is parsed here, before any work.
 
     Raises:
         ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
@@ -218,6 +220,7 @@ def fuse_file(
         OutputWriteError: writing failed (disk full, permission denied); nothing was left.
         ValueError: ``only`` names an unknown op, or ``target`` an unknown runtime.
     """
+    parsed = DEFAULT if target is None else as_target(target)
     src = Path(input_path)
     out = Path(out_path)
     data = data_file_for(out)
@@ -233,8 +236,7 @@ def fuse_file(
     report = FusionReport()
     with contextlib.ExitStack() as cleanup:
         sink = cleanup.enter_context(ScratchFileSink(folder)) if external else None
-        extra = {} if target is None else {"target": target}
-        fusion_pipeline(report, only, weight_sink=sink, **extra)(model)
+        fusion_pipeline(report, only, target=parsed, weight_sink=sink)(model)
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
         except OSError as exc:

@@ -5,14 +5,21 @@ carries ``weights_prepacked`` or ``accuracy_level`` ("Unrecognized attribute"), 
 QMoE reads an absent ``weights_prepacked`` as -1 (CUTLASS-prepacked weights) and so needs
 ``weights_prepacked=0`` for the raw ``[E, N, K/pack]`` layout the fuser writes. And the packages
 have kernels for different ops: ORT CPU has no MatMulNBitsQkv, onnxruntime-webgpu 1.27 no float
-MoE. This module is the one home of those facts, as data (:data:`CONTRACTS`) and three small
-functions:
+MoE. This module is the one home of those facts, as data (:data:`CONTRACTS`, :data:`MAX_OPSET`)
+and one value object per target, :class:`Target`, which the fronts (``onnx_moe_fuse.fuse``, the
+command line, the streaming path) parse a user's name into once (:func:`target_named`) and the
+pipeline passes hand down:
 
-* :func:`ops_for`: the fused ops a target has kernels for;
-* :func:`refusal`: why a fused node cannot go to a target (op, activation or activation dtype
-  it lacks), in plain words with the alternative, or None;
-* :func:`node_attributes`: the attribute set a fused node carries for a target, from the
-  semantic attributes a rule computed (:data:`SEMANTIC_ATTRIBUTES`).
+* :attr:`Target.ops`: the fused ops the target has kernels for;
+* :meth:`Target.refusal`: why a fused node cannot go to the target (op, activation or
+  activation dtype it lacks), in plain words with the alternative, or None;
+* :meth:`Target.node_attributes`: the attribute set a fused node carries for the target, from
+  the semantic attributes a rule computed (:data:`SEMANTIC_ATTRIBUTES`);
+  :meth:`Target.attribute_names` the names alone;
+* :attr:`Target.max_opset`: the newest default-domain opset it loads.
+
+An unknown name is a ``ValueError`` here (this module imports nothing of the project);
+``onnx_moe_fuse.api.check_target`` turns it into the API's ``OptionError``.
 
 Sources, read or measured 2026-12-01 (``docs/targets.md`` has the tables):
 
@@ -47,19 +54,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES, MATMUL_NBITS_QKV, MOE, QMOE
+
 __all__ = [
     "CONTRACTS",
+    "DEFAULT",
     "DEFAULT_TARGET",
     "MAX_OPSET",
     "SEMANTIC_ATTRIBUTES",
     "TARGETS",
     "OpContract",
-    "attribute_names",
-    "check_target",
-    "max_opset",
-    "node_attributes",
-    "ops_for",
-    "refusal",
+    "Target",
+    "as_target",
+    "target_named",
 ]
 
 #: The runtimes a fused model can be written for.
@@ -81,12 +88,12 @@ _MOE_SEMANTIC = frozenset(
 )
 #: The attributes a rule computes for each fused op (what the node means, on any target).
 SEMANTIC_ATTRIBUTES: dict[str, frozenset[str]] = {
-    "MoE": _MOE_SEMANTIC,
-    "QMoE": _MOE_SEMANTIC | {"expert_weight_bits", "block_size"},
-    "MatMulNBitsQkv": frozenset({"K", "Nq", "Nkv", "bits", "block_size", "epsilon"}),
+    MOE.name: _MOE_SEMANTIC,
+    QMOE.name: _MOE_SEMANTIC | {"expert_weight_bits", "block_size"},
+    MATMUL_NBITS_QKV.name: frozenset({"K", "Nq", "Nkv", "bits", "block_size", "epsilon"}),
 }
 
-_ALL_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+_ALL_ACTIVATIONS = frozenset(ACTIVATION_TYPES)
 
 
 @dataclass(frozen=True)
@@ -173,48 +180,85 @@ _MISSING: dict[tuple[str, str], str] = {
 MAX_OPSET: dict[str, int] = {"ort-cpu": 28, "ort-cuda": 28, "ort-webgpu": 26}
 
 
-def max_opset(target: str) -> int:
-    """The newest default-domain opset ``target`` loads (:data:`MAX_OPSET`)."""
-    return MAX_OPSET[check_target(target)]
+@dataclass(frozen=True)
+class Target:
+    """One runtime a fused model is written for: its name, ops and opset, parsed once.
 
-
-def check_target(target: str) -> str:
-    """``target`` if it is one of :data:`TARGETS`; else ``ValueError`` naming the choices."""
-    if target not in CONTRACTS:
-        raise ValueError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
-    return target
-
-
-def ops_for(target: str) -> frozenset[str]:
-    """The fused ops ``target`` has kernels for."""
-    return frozenset(CONTRACTS[check_target(target)])
-
-
-def refusal(op: str, activation: str | None, target: str, dtype: str | None = None) -> str | None:
-    """Why a fused ``op`` node (its ``activation_type``, input-0 ``dtype``) cannot go to ``target``.
-
-    None when the target has a kernel for it. The reason names the target and the alternative.
+    Get one with :func:`target_named` (or the constants :data:`DEFAULT`); the pipeline passes
+    take it as it is. ``contracts`` maps each fused op the target has a kernel for to its
+    :class:`OpContract`; ``max_opset`` is the newest default-domain opset it loads.
     """
-    contract = CONTRACTS[check_target(target)].get(op)
-    if contract is None:
-        return _MISSING.get(
-            (target, op), f"{target} has no {op} kernel: target one of {', '.join(TARGETS)}"
-        )
-    if contract.activations is not None and activation not in contract.activations:
-        others = [t for t in TARGETS if t != target and _takes(t, op, activation)]
-        return (
-            f"{target}'s {op} kernel runs activation_type "
-            f"{' or '.join(sorted(contract.activations))} only ({contract.source}); this layer's "
-            f"is {activation}" + (f": target {' or '.join(others)}" if others else "")
-        )
-    if dtype is not None and dtype not in contract.dtypes:
-        others = [t for t in TARGETS if t != target and _takes(t, op, activation, dtype)]
-        return (
-            f"{target} has no {dtype} {op} kernel ({contract.source}: "
-            f"{', '.join(sorted(contract.dtypes))} only); this layer computes in {dtype}"
-            + (f": target {' or '.join(others)}" if others else "")
-        )
-    return None
+
+    name: str
+    contracts: Mapping[str, OpContract]
+    max_opset: int
+
+    def __str__(self) -> str:
+        """The target's name (``ort-cpu``)."""
+        return self.name
+
+    def __hash__(self) -> int:
+        """By name: there is one object per target."""
+        return hash(self.name)
+
+    @property
+    def ops(self) -> frozenset[str]:
+        """The fused ops this target has kernels for."""
+        return frozenset(self.contracts)
+
+    def refusal(self, op: str, activation: str | None, dtype: str | None = None) -> str | None:
+        """Why a fused ``op`` node (its ``activation_type``, input-0 ``dtype``) cannot go here.
+
+        None when the target has a kernel for it. The reason names the target and the
+        alternative.
+        """
+        target = self.name
+        contract = self.contracts.get(op)
+        if contract is None:
+            return _MISSING.get(
+                (target, op), f"{target} has no {op} kernel: target one of {', '.join(TARGETS)}"
+            )
+        if contract.activations is not None and activation not in contract.activations:
+            others = [t for t in TARGETS if t != target and _takes(t, op, activation)]
+            return (
+                f"{target}'s {op} kernel runs activation_type "
+                f"{' or '.join(sorted(contract.activations))} only ({contract.source}); this "
+                f"layer's is {activation}" + (f": target {' or '.join(others)}" if others else "")
+            )
+        if dtype is not None and dtype not in contract.dtypes:
+            others = [t for t in TARGETS if t != target and _takes(t, op, activation, dtype)]
+            return (
+                f"{target} has no {dtype} {op} kernel ({contract.source}: "
+                f"{', '.join(sorted(contract.dtypes))} only); this layer computes in {dtype}"
+                + (f": target {' or '.join(others)}" if others else "")
+            )
+        return None
+
+    def attribute_names(self, op: str) -> frozenset[str]:
+        """Every attribute a fused ``op`` node carries here (``KeyError``: no kernel)."""
+        contract = self.contracts[op]
+        return (SEMANTIC_ATTRIBUTES[op] | set(contract.fixed)) - contract.omitted
+
+    def node_attributes(self, op: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        """The attributes a fused ``op`` node carries here, from a rule's ``attrs``.
+
+        ``attrs`` must hold every semantic attribute (:data:`SEMANTIC_ATTRIBUTES`;
+        ``swiglu_limit`` may be left out when there is no clamp: it becomes +inf). Attributes
+        the target's schema rejects are dropped, the ones it needs with fixed values are set.
+        ``KeyError`` when the target has no kernel for ``op`` (ask :meth:`refusal` first);
+        ``ValueError`` when a semantic attribute is missing.
+        """
+        contract = self.contracts[op]
+        out = dict(attrs)
+        if "swiglu_limit" in SEMANTIC_ATTRIBUTES[op]:
+            out.setdefault("swiglu_limit", math.inf)
+        missing = SEMANTIC_ATTRIBUTES[op] - set(out)
+        if missing:
+            raise ValueError(f"a fused {op} node needs the attributes {sorted(missing)}")
+        out.update(contract.fixed)
+        for name in contract.omitted:
+            out.pop(name, None)
+        return out
 
 
 def _takes(target: str, op: str, activation: str | None, dtype: str | None = None) -> bool:
@@ -226,29 +270,25 @@ def _takes(target: str, op: str, activation: str | None, dtype: str | None = Non
     return dtype is None or dtype in contract.dtypes
 
 
-def attribute_names(op: str, target: str) -> frozenset[str]:
-    """Every attribute a fused ``op`` node carries on ``target`` (``KeyError``: no kernel)."""
-    contract = CONTRACTS[check_target(target)][op]
-    return (SEMANTIC_ATTRIBUTES[op] | set(contract.fixed)) - contract.omitted
+#: One :class:`Target` per name of :data:`TARGETS`.
+_BY_NAME: dict[str, Target] = {
+    name: Target(name, CONTRACTS[name], MAX_OPSET[name]) for name in TARGETS
+}
+#: The target when none is given (:data:`DEFAULT_TARGET`).
+DEFAULT: Target = _BY_NAME[DEFAULT_TARGET]
 
 
-def node_attributes(op: str, attrs: Mapping[str, Any], target: str) -> dict[str, Any]:
-    """The attributes a fused ``op`` node carries on ``target``, from a rule's ``attrs``.
+def target_named(name: str) -> Target:
+    """The :class:`Target` called ``name``; ``ValueError`` naming the choices for another."""
+    target = _BY_NAME.get(name) if isinstance(name, str) else None
+    if target is None:
+        raise ValueError(f"unknown target {name!r}: choose one of {', '.join(TARGETS)}")
+    return target
 
-    ``attrs`` must hold every semantic attribute (:data:`SEMANTIC_ATTRIBUTES`; ``swiglu_limit``
-    may be left out when there is no clamp: it becomes +inf). Attributes the target's schema
-    rejects are dropped, the ones it needs with fixed values are set. ``KeyError`` when the
-    target has no kernel for ``op`` (ask :func:`refusal` first); ``ValueError`` when a
-    semantic attribute is missing.
+
+def as_target(target: Target | str) -> Target:
+    """``target`` itself, or the :class:`Target` it names (:func:`target_named`).
+
+    For the faces that take a target from users (a name) or from another face (parsed).
     """
-    contract = CONTRACTS[check_target(target)][op]
-    out = dict(attrs)
-    if "swiglu_limit" in SEMANTIC_ATTRIBUTES[op]:
-        out.setdefault("swiglu_limit", math.inf)
-    missing = SEMANTIC_ATTRIBUTES[op] - set(out)
-    if missing:
-        raise ValueError(f"a fused {op} node needs the attributes {sorted(missing)}")
-    out.update(contract.fixed)
-    for name in contract.omitted:
-        out.pop(name, None)
-    return out
+    return target if isinstance(target, Target) else target_named(target)

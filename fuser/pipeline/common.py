@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.contract.ops import MS_DOMAIN
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     FUSED_OPS,
     REPLACED_KEY,
@@ -22,9 +23,6 @@ ALL_FUSED_OPS = FUSED_OPS | {qkv.FUSED_OP}
 #: Private domain for internal ops. The rules work on the standard-ONNX graph directly and never
 #: create one; the postcondition keeps it that way.
 INTERNAL_DOMAIN = "ai.onnx_moe_fuse.internal"
-
-
-MS_DOMAIN = "com.microsoft"
 
 
 _RULE_PREFIXES = (*(cls.__name__ for cls in RULE_CLASSES), f"{qkv.FUSED_OP}[")

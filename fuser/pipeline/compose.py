@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT, Target, as_target
 from onnx_moe_fuse.pipeline.common import ALL_FUSED_OPS, INTERNAL_DOMAIN
 from onnx_moe_fuse.pipeline.fuse_moe_layers import FuseMoELayersPass
 from onnx_moe_fuse.pipeline.fuse_qkv import FuseQkvPass
@@ -39,7 +39,7 @@ __all__ = [
 def fusion_pipeline(
     report: FusionReport | None = None,
     only: Iterable[str] | None = None,
-    target: str = ort_contract.DEFAULT_TARGET,
+    target: Target | str = DEFAULT,
     weight_sink: WeightSink | None = None,
 ) -> ir.passes.PassManager:
     """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results.
@@ -48,12 +48,15 @@ def fusion_pipeline(
     memory): the command line's streaming path spills them to a scratch file.
 
     ``only`` names the ops that may be emitted (default: all of :data:`ALL_FUSED_OPS`);
-    ``target`` (one of :data:`onnx_moe_fuse.contract.targets.TARGETS`, default
-    ``"ort-cpu"``) the runtime the fused nodes are written for: only ops it has kernels for are
-    emitted, each with the attribute set it takes. ``ValueError`` for an unknown op or target.
+    ``target`` the runtime the fused nodes are written for, a
+    :class:`~onnx_moe_fuse.contract.targets.Target` or its name (one of
+    :data:`onnx_moe_fuse.contract.targets.TARGETS`, default ``"ort-cpu"``): only ops it has
+    kernels for are emitted, each with the attribute set it takes. A name is parsed here, once;
+    the passes take the object. ``ValueError`` for an unknown op or target.
     """
+    target = as_target(target)
     report = report if report is not None else FusionReport()
-    report.target = ort_contract.check_target(target)
+    report.target = target.name
     return ir.passes.PassManager(
         [
             FuseMoELayersPass(report, only, target, weight_sink),

@@ -11,7 +11,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.pipeline.canonicalise import canonicalise
 from onnx_moe_fuse.pipeline.common import (
     ALL_FUSED_OPS,
@@ -73,13 +73,12 @@ def _activation_dtype(node: ir.Node) -> str | None:
     return None
 
 
-def _target_refusal(node: ir.Node, target: str) -> str | None:
-    """Why the fused ``node`` cannot be written for ``target`` (ort_contract's words), or None."""
+def _target_refusal(node: ir.Node, target: Target) -> str | None:
+    """Why the fused ``node`` cannot be written for ``target`` (the contract's words), or None."""
     activation = node.attributes.get("activation_type")
-    return ort_contract.refusal(
+    return target.refusal(
         node.op_type,
         activation.value if activation is not None else None,
-        target,
         _activation_dtype(node),
     )
 
@@ -91,10 +90,10 @@ def _producer_of(graph: ir.Graph, name: str | None) -> ir.Node | None:
     return next((n for n in graph if n.outputs and n.outputs[0].name == name), None)
 
 
-def apply_target_attributes(node: ir.Node, target: str) -> None:
-    """Give the fused ``node`` the attribute set ``target`` takes (ort_contract)."""
-    attrs = ort_contract.node_attributes(
-        node.op_type, {k: attr_value(a) for k, a in node.attributes.items()}, target
+def apply_target_attributes(node: ir.Node, target: Target) -> None:
+    """Give the fused ``node`` the attribute set ``target`` takes (``contract.targets``)."""
+    attrs = target.node_attributes(
+        node.op_type, {k: attr_value(a) for k, a in node.attributes.items()}
     )
     node.attributes.clear()
     for attr in ir.convenience.convert_attributes(attrs):
@@ -107,8 +106,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
     ``only`` restricts the ops emitted (``{"MoE"}``, ``{"QMoE"}``; default both), ``target``
     the runtime they are written for: a layer whose op, activation or dtype the target has no
     kernel for stays as it is and becomes a near miss of part ``target``
-    (:func:`onnx_moe_fuse.contract.targets.refusal`); a fused node gets the target's
-    attribute set (:func:`~onnx_moe_fuse.contract.targets.node_attributes`) before it is
+    (:meth:`onnx_moe_fuse.contract.targets.Target.refusal`); a fused node gets the target's
+    attribute set (:meth:`~onnx_moe_fuse.contract.targets.Target.node_attributes`) before it is
     spliced. The fusions and near misses are appended to ``report`` (a :class:`FusionReport`,
     shared with the caller).
     """
@@ -117,14 +116,14 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         self,
         report: FusionReport | None = None,
         only: Iterable[str] | None = None,
-        target: str = ort_contract.DEFAULT_TARGET,
+        target: Target = DEFAULT,
         weight_sink: WeightSink | None = None,
     ):
         """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
         super().__init__()
         self.weight_sink = weight_sink
         self.emit = emitted(only) & FUSED_OPS
-        self.target = ort_contract.check_target(target)
+        self.target = target
         self.report = report if report is not None else FusionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.pipeline.common import (
     fused_nodes,
     label,
@@ -49,14 +49,14 @@ class FuseQkvPass(ir.passes.InPlacePass):
         self,
         report: FusionReport | None = None,
         only: Iterable[str] | None = None,
-        target: str = ort_contract.DEFAULT_TARGET,
+        target: Target = DEFAULT,
         weight_sink: WeightSink | None = None,
     ):
         """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
         super().__init__()
         self.weight_sink = weight_sink
         self.enabled = qkv.FUSED_OP in emitted(only)
-        self.target = ort_contract.check_target(target)
+        self.target = target
         self.report = report if report is not None else FusionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -67,7 +67,7 @@ class FuseQkvPass(ir.passes.InPlacePass):
         # what does not fuse stays as it was
         names, untyped = _names(model.graph), _untyped(model.graph)
         misses = qkv.near_misses(model)
-        reason = ort_contract.refusal(qkv.FUSED_OP, None, self.target)
+        reason = self.target.refusal(qkv.FUSED_OP, None)
         count = 0
         if reason is None:
             count = qkv.rules(self.weight_sink).apply_to_model(model)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.ops import MS_DOMAIN
+from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.pipeline.common import (
     ALL_FUSED_OPS,
     INTERNAL_DOMAIN,
-    MS_DOMAIN,
     label,
     rule_name,
 )
@@ -17,10 +17,9 @@ from onnx_moe_fuse.rewrites.moe.layer_rules import (
 )
 
 #: Attributes every emitted node writes for the default target (ORT's defaults differ between
-#: builds); :func:`onnx_moe_fuse.contract.targets.attribute_names` gives them per target.
+#: builds); :meth:`onnx_moe_fuse.contract.targets.Target.attribute_names` gives them per target.
 REQUIRED_ATTRIBUTES: dict[str, frozenset[str]] = {
-    op: ort_contract.attribute_names(op, ort_contract.DEFAULT_TARGET)
-    for op in ort_contract.ops_for(ort_contract.DEFAULT_TARGET)
+    op: DEFAULT.attribute_names(op) for op in DEFAULT.ops
 }
 
 
@@ -28,13 +27,13 @@ class FusedNodesCheckPass(ir.passes.InPlacePass):
     """Postconditions only: no internal (private-domain) op survives, fused nodes are complete.
 
     A fused node must be an op ``target`` has a kernel for and carry exactly the attribute set
-    the target takes (:func:`onnx_moe_fuse.contract.targets.attribute_names`).
+    the target takes (:meth:`onnx_moe_fuse.contract.targets.Target.attribute_names`).
     """
 
-    def __init__(self, target: str = ort_contract.DEFAULT_TARGET):
+    def __init__(self, target: Target = DEFAULT):
         """``target``: the runtime the fused nodes were written for."""
         super().__init__()
-        self.target = ort_contract.check_target(target)
+        self.target = target
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Change nothing."""
@@ -57,12 +56,12 @@ class FusedNodesCheckPass(ir.passes.InPlacePass):
                     continue
                 if not rule_name(node):
                     continue  # a node the model already had
-                if node.op_type not in ort_contract.ops_for(self.target):
+                if node.op_type not in self.target.ops:
                     raise ir.passes.PostconditionError(
                         f"fused {node.op_type} {label(node)} was emitted for {self.target}, "
                         "which has no kernel for it"
                     )
-                expected = ort_contract.attribute_names(node.op_type, self.target)
+                expected = self.target.attribute_names(node.op_type)
                 if set(node.attributes) != expected:
                     raise ir.passes.PostconditionError(
                         f"fused {node.op_type} {label(node)} carries attributes "

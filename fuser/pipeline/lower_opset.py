@@ -8,7 +8,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.pipeline.remove_dead_code import (
     AfterFusionPass,
 )
@@ -46,17 +46,15 @@ class LowerOpsetPass(AfterFusionPass):
     Opset 29 only adds ``GroupedMatMul`` (:data:`OPSET_CHANGES`); once fusion removed the last
     one, ``"" : 29`` means the same as ``"" : 28``, which ONNX Runtime 1.32 loads. The same holds
     for any version whose added or changed ops the model does not use, so the pass goes on down
-    to the newest opset the target loads (:func:`onnx_moe_fuse.contract.targets.max_opset`:
+    to the newest opset the target loads (:attr:`onnx_moe_fuse.contract.targets.Target.max_opset`:
     onnxruntime-webgpu 1.27 stops at 26) and stops at the first version whose changes the model
     uses. With a ``report``, only when it records a fusion.
     """
 
-    def __init__(
-        self, report: FusionReport | None = None, target: str = ort_contract.DEFAULT_TARGET
-    ):
+    def __init__(self, report: FusionReport | None = None, target: Target = DEFAULT):
         """``report``: act only if it holds a fusion (None: always); ``target``: its opset."""
         super().__init__(report)
-        self.floor = ort_contract.max_opset(target)
+        self.floor = target.max_opset
 
     def clean(self, model: ir.Model) -> ir.passes.PassResult:
         """Lower while above the target's opset and the newest version's changes are unused."""

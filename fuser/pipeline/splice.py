@@ -45,7 +45,6 @@ __all__ = [
 
 #: ``Value.meta`` key set on every value of the working copy before canonicalisation.
 ORIGIN_KEY = "onnx_moe_fuse.origin"
-MS_DOMAIN = "com.microsoft"
 
 
 class SpliceRefusal(ValueError):

@@ -13,6 +13,12 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from onnx_moe_fuse.contract.ops import MS_DOMAIN
+from onnx_moe_fuse.contract.packing import (
+    pack_bits,
+    pack_matmul_nbits,
+    symmetric_zero_point_byte,
+)
 from onnx_moe_fuse.samples.qkv_spec import (
     FLOAT,
     FLOAT16,
@@ -21,7 +27,6 @@ from onnx_moe_fuse.samples.qkv_spec import (
     QkvSpec,
 )
 from onnx_moe_fuse.samples.text_form import GraphText
-from onnx_moe_fuse.verify.oracles.quant import pack_bits, pack_matmul_nbits
 
 # -- weights ------------------------------------------------------------------------------------
 
@@ -151,7 +156,7 @@ class _Prelude:
                 "SkipSimplifiedLayerNormalization",
                 [x, skip, scale],
                 ["normed", "ssln_mean", "ssln_inv_std_var", "residual"],
-                domain="com.microsoft",
+                domain=MS_DOMAIN,
                 **attrs,
             )
             return y, res
@@ -177,7 +182,9 @@ class _Prelude:
                 codes, scales = _symmetric_codes(w, bits, bs, dt)
                 zp_packed = None
                 if spec.projection == "nbits_zp8":
-                    zp_packed = np.full((n, -(-spec.k_blocks // 2)), 0x88, dtype=np.uint8)
+                    zp_packed = np.full(
+                        (n, -(-spec.k_blocks // 2)), symmetric_zero_point_byte(4), dtype=np.uint8
+                    )
             b = g.add_initializer(f"{base}_B", pack_matmul_nbits(codes, bits, bs))
             s = g.add_initializer(f"{base}_scales", scales)
             inputs += [b, s]
@@ -187,7 +194,7 @@ class _Prelude:
                 "MatMulNBits",
                 inputs,
                 out,
-                domain="com.microsoft",
+                domain=MS_DOMAIN,
                 K=k,
                 N=n,
                 bits=bits,
@@ -226,7 +233,7 @@ class _Prelude:
             total = g.node("ReduceSum", [normed, g.i64(-1)], "normed_sum", keepdims=1)
             g.add_output(self.type_text(1), total)
         ir_version = IR_VERSION_OPSET23 if spec.opset >= 23 else IR_VERSION
-        model = g.to_model(spec.opset, ir_version, {"com.microsoft": 1})
+        model = g.to_model(spec.opset, ir_version, {MS_DOMAIN: 1})
         if spec.norm == "skip_sln":
             # ONNX Runtime's own fusion leaves the unused mean / inv_std_var outputs empty.
             for node in model.graph.node:

@@ -2,8 +2,8 @@
 
 These helpers make test data in standard-ONNX form: the quantized tensor keeps GroupedMatMul's
 K-major layout ``[E, K, N]`` and ``DequantizeLinear`` dequantizes along ``axis=1`` (K, the
-reduction axis). They are not the project's QMoE packing oracle (``onnx_moe_fuse.verify.oracles.quant``),
-which works in QMoE's output-major layout.
+reduction axis). They are not the project's QMoE packing (``onnx_moe_fuse.contract.packing``,
+quantised by ``onnx_moe_fuse.verify.oracles.quant``), which works in QMoE's output-major layout.
 
 * int4, blocked along K: signed int4 codes in ``[-7, 7]``, no zero point (so 0, the symmetric
   point for a signed type), scales ``[E, K / block, N]``; ``DequantizeLinear(axis=1,

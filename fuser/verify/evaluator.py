@@ -18,6 +18,10 @@ through :func:`onnx_moe_fuse.kernels.runtime.get_kernel`:
   input_skip_bias_sum -> ``qT, kT, vT, residualT`` (the last requested only when the node
   names output 3).
 
+The tables of these mappings are :mod:`onnx_moe_fuse.verify.kernel_specs` (re-exported here),
+built from the contract's input order (:mod:`onnx_moe_fuse.contract.ops`) and the kernels' bind
+keys (:data:`onnx_moe_fuse.verify.oracles.kernel_calls.BIND_KEYS`).
+
 Inputs are taken at ONNX Runtime's positions (an omitted optional input is ``""``). A present
 input is bound only when the kernel's manifest declares its bind key (QMoE's positions 8-14 map
 to ``fc3T, fc3ScalesT, fc3BiasT, fc1ZeroPointsT, fc2ZeroPointsT, fc3ZeroPointsT,
@@ -25,11 +29,11 @@ routerWeightsT``; MatMulNBitsQkv's ``q_bias``/``k_bias``/``v_bias`` to ``qBiasT,
 vBiasT``); otherwise it is refused with :class:`UnsupportedNodeError` naming the node and the
 input, except zero points holding the symmetric point everywhere, which mean nothing and are
 dropped. Positions past the mapped ones (QMoE's FP4/FP8 extras, 15+) are always refused.
-Attributes are passed under their ONNX names; an attribute the kernel's manifest does not declare is dropped only when
-its value cannot change the result (``use_sparse_mixer=0``, ``quant_type="int"``, QMoE's
-``accuracy_level``, which only lets ONNX Runtime quantise activations, ...) and refused
-otherwise. ``swiglu_limit=inf`` and QMoE ``block_size=0`` mean "absent" in ONNX Runtime and are
-passed as absent. A call the kernel itself refuses (``KernelCallError``: dtype, shape, attribute
+Attributes are passed under their ONNX names; an attribute the kernel's manifest does not
+declare is dropped only when its value cannot change the result (``use_sparse_mixer=0``,
+``quant_type="int"``, QMoE's ``accuracy_level``, which only lets ONNX Runtime quantise
+activations, ...) and refused otherwise. ``swiglu_limit=inf`` and QMoE ``block_size=0`` mean
+"absent" in ONNX Runtime and are passed as absent. A call the kernel itself refuses (``KernelCallError``: dtype, shape, attribute
 value) is re-raised as :class:`KernelNodeError` naming the node, with each bind key in the
 message followed by the ONNX input it came from.
 
@@ -46,11 +50,9 @@ unfused parts of a model must compute the same on every path of the checker.
 
 from __future__ import annotations
 
-import math
 import os
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -58,238 +60,50 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
+from onnx_moe_fuse.contract.ops import MS_DOMAIN
 from onnx_moe_fuse.kernels.planner import KernelCallError
 from onnx_moe_fuse.kernels.runtime import get_kernel
-from onnx_moe_fuse.verify.reference import CUSTOM_OPS as _REFERENCE_OPS
+from onnx_moe_fuse.verify.kernel_specs import (
+    GROUPED_MATMUL,
+    KERNEL_OPS,
+    MATMUL_NBITS_QKV,
+    MOE,
+    QMOE,
+    Attrs,
+    KernelNodeError,
+    KernelOpSpec,
+    KernelPackageMissingError,
+    UnsupportedNodeError,
+    WgpuEvaluatorError,
+    text_value,
+)
+from onnx_moe_fuse.verify.nodes import describe_node, iter_nodes
+from onnx_moe_fuse.verify.reference import CUSTOM_OPS as REFERENCE_OPS
 
 __all__ = [
+    "GROUPED_MATMUL",
     "KERNEL_OPS",
+    "MATMUL_NBITS_QKV",
+    "MOE",
+    "QMOE",
     "KernelNodeError",
     "KernelOpSpec",
     "KernelPackageMissingError",
     "REFERENCE_OP_CLASSES",
     "UnsupportedNodeError",
     "WgpuEvaluatorError",
+    "bind_node",
+    "describe_node",
+    "iter_nodes",
     "kernel_nodes",
     "missing_kernel_packages",
+    "run_node",
     "run_wgpu",
     "wgpu_evaluator",
 ]
 
-_MS = "com.microsoft"
-
-
-class WgpuEvaluatorError(Exception):
-    """Base class of the wgpu evaluator's errors."""
-
-
-class KernelPackageMissingError(WgpuEvaluatorError, LookupError):
-    """The kernel package for an op in the model is not installed."""
-
-    def __init__(self, op: str, package: str, detail: str) -> None:
-        """Record the op (``com.microsoft.QMoE``), its package folder and get_kernel's message."""
-        self.op = op
-        self.package = package
-        super().__init__(
-            f"the WebGPU kernel package for {op} is not installed (expected at {package}/ in "
-            f"onnx_moe_fuse.kernels): {detail}"
-        )
-
-
-class UnsupportedNodeError(WgpuEvaluatorError, ValueError):
-    """A node uses an input or attribute that its kernel package does not implement."""
-
-
-class KernelNodeError(WgpuEvaluatorError, ValueError):
-    """The kernel refused or failed a node's call (wrong dtype, shape, attribute value, ...)."""
-
-
-# -- op specifications ------------------------------------------------------------------------
-
-Attrs = Mapping[str, Any]
-#: ``(value, all node attributes) -> True`` when dropping the attribute changes nothing.
-NeutralCheck = Callable[[Any, Attrs], bool]
-#: ``(value, all node attributes) -> None`` to drop the input, or a refusal reason.
-InputCheck = Callable[[np.ndarray, Attrs], str | None]
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One ONNX input position of a fused op."""
-
-    onnx_name: str
-    bind_key: str  # the kernel's name for it, used when the kernel's manifest declares it
-    what: str = ""  # what the kernel lacks when its manifest does not declare bind_key
-    droppable: InputCheck | None = None  # else: may a present value be dropped, not refused?
-
-
-@dataclass(frozen=True)
-class KernelOpSpec:
-    """How one ONNX op maps onto its kernel package."""
-
-    domain: str
-    op_type: str
-    package: str  # folder under kernels/
-    inputs: tuple[Slot, ...]
-    outputs: tuple[str, ...]  # bind key per ONNX output position
-    optional_outputs: frozenset[str] = frozenset()  # bind keys produced only when asked for
-    neutral_attributes: Mapping[str, NeutralCheck] = field(default_factory=dict)
-    absent_attributes: Mapping[str, NeutralCheck] = field(default_factory=dict)
-
-    @property
-    def qualified_name(self) -> str:
-        """``domain.op_type`` (just ``op_type`` in the default domain): get_kernel's name."""
-        return f"{self.domain}.{self.op_type}" if self.domain else self.op_type
-
-
-def _text(value: Any) -> Any:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
-def _always(_value: Any, _attrs: Attrs) -> bool:
-    return True
-
-
-def _equals(*allowed: Any) -> NeutralCheck:
-    return lambda value, _attrs: _text(value) in allowed
-
-
-def _same_bits(value: Any, attrs: Attrs) -> bool:
-    return int(value) == int(attrs.get("expert_weight_bits", 4))
-
-
-def _infinite(value: Any, _attrs: Attrs) -> bool:
-    # ReferenceEvaluator hands float attributes over as numpy scalars, not Python floats.
-    return isinstance(value, (float, np.floating)) and math.isinf(float(value))
-
-
-def _not_positive(value: Any, _attrs: Attrs) -> bool:
-    return int(value) <= 0
-
-
-def _symmetric_zero_points(value: np.ndarray, attrs: Attrs) -> str | None:
-    bits = int(attrs.get("expert_weight_bits", 4))
-    symmetric = {4: 0x88, 8: 0x80}.get(bits)  # 4-bit: two packed codes of 8 per byte
-    if symmetric is not None and value.dtype == np.uint8 and np.all(value == symmetric):
-        return None
-    return (
-        f"explicit zero points other than the symmetric point {1 << (bits - 1)} (the kernel "
-        "implements symmetric weights only)"
-    )
-
-
-_QMOE_NEUTRAL: dict[str, NeutralCheck] = {
-    "accuracy_level": _always,  # lets ORT quantise activations; the kernel computes in float
-    "fc1_expert_weight_bits": _same_bits,
-    "fc2_expert_weight_bits": _same_bits,
-    "fc3_expert_weight_bits": _always,  # meaningless without FC3, bound or refused by itself
-    "quant_type": _equals("int"),
-    "swiglu_limit_after_activation": _equals(0),
-    "use_sparse_mixer": _equals(0),
-    "weights_prepacked": _equals(-1, 0),
-}
-
-_MOE_NEUTRAL: dict[str, NeutralCheck] = {
-    "swiglu_limit_after_activation": _equals(0),
-    "use_sparse_mixer": _equals(0),
-}
-
-GROUPED_MATMUL = KernelOpSpec(
-    domain="",
-    op_type="GroupedMatMul",
-    package="kernels/grouped_matmul",
-    inputs=(
-        Slot("input", "inputT"),
-        Slot("weights", "weightsT"),
-        Slot("group_indices", "groupIndicesT"),
-        Slot("bias", "biasT", "a bias"),
-    ),
-    outputs=("outputT",),
-)
-
-QMOE = KernelOpSpec(
-    domain=_MS,
-    op_type="QMoE",
-    package="kernels/qmoe",
-    inputs=(
-        Slot("input", "inputT"),
-        Slot("router_probs", "routerT"),
-        Slot("fc1_experts_weights", "fc1T"),
-        Slot("fc1_scales", "fc1ScalesT"),
-        Slot("fc1_experts_bias", "fc1BiasT", "an FC1 bias"),
-        Slot("fc2_experts_weights", "fc2T"),
-        Slot("fc2_scales", "fc2ScalesT"),
-        Slot("fc2_experts_bias", "fc2BiasT", "an FC2 bias"),
-        Slot("fc3_experts_weights", "fc3T", "FC3"),
-        Slot("fc3_scales", "fc3ScalesT", "FC3"),
-        Slot("fc3_experts_bias", "fc3BiasT", "FC3"),
-        Slot("fc1_zero_points", "fc1ZeroPointsT", droppable=_symmetric_zero_points),
-        Slot("fc2_zero_points", "fc2ZeroPointsT", droppable=_symmetric_zero_points),
-        Slot("fc3_zero_points", "fc3ZeroPointsT", droppable=_symmetric_zero_points),
-        Slot("router_weights", "routerWeightsT", "separate router weights"),
-    ),
-    outputs=("outputT",),
-    neutral_attributes=_QMOE_NEUTRAL,
-    absent_attributes={"swiglu_limit": _infinite, "block_size": _not_positive},
-)
-
-MOE = KernelOpSpec(
-    domain=_MS,
-    op_type="MoE",
-    package="kernels/moe",
-    inputs=(
-        Slot("input", "inputT"),
-        Slot("router_probs", "routerT"),
-        Slot("fc1_experts_weights", "fc1T"),
-        Slot("fc1_experts_bias", "fc1BiasT", "an FC1 bias"),
-        Slot("fc2_experts_weights", "fc2T"),
-        Slot("fc2_experts_bias", "fc2BiasT", "an FC2 bias"),
-        Slot("fc3_experts_weights", "fc3T", "FC3"),
-        Slot("fc3_experts_bias", "fc3BiasT", "an FC3 bias"),
-    ),
-    outputs=("outputT",),
-    neutral_attributes=_MOE_NEUTRAL,
-    absent_attributes={"swiglu_limit": _infinite},
-)
-
-MATMUL_NBITS_QKV = KernelOpSpec(
-    domain=_MS,
-    op_type="MatMulNBitsQkv",
-    package="kernels/matmul_nbits_qkv",
-    inputs=(
-        Slot("A", "aT"),
-        Slot("skip", "skipT", "a skip input"),
-        Slot("norm_scale", "normScaleT"),
-        Slot("q_B", "qBT"),
-        Slot("q_scales", "qScalesT"),
-        Slot("q_bias", "qBiasT", "a Q bias"),
-        Slot("k_B", "kBT"),
-        Slot("k_scales", "kScalesT"),
-        Slot("k_bias", "kBiasT", "a K bias"),
-        Slot("v_B", "vBT"),
-        Slot("v_scales", "vScalesT"),
-        Slot("v_bias", "vBiasT", "a V bias"),
-    ),
-    outputs=("qT", "kT", "vT", "residualT"),
-    optional_outputs=frozenset({"residualT"}),
-)
-
-#: The ops the wgpu evaluator runs on kernels, keyed by ``(domain, op_type)``.
-KERNEL_OPS: dict[tuple[str, str], KernelOpSpec] = {
-    (s.domain, s.op_type): s for s in (GROUPED_MATMUL, QMOE, MOE, MATMUL_NBITS_QKV)
-}
-
 
 # -- one node -----------------------------------------------------------------------------------
-
-
-def describe_node(node: onnx.NodeProto) -> str:
-    """``com.microsoft.QMoE node 'moe_0'`` (or the first output's name for an unnamed node)."""
-    op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
-    if node.name:
-        return f"{op} node {node.name!r}"
-    first = next((o for o in node.output if o), "")
-    return f"{op} node (unnamed, producing {first!r})"
 
 
 def _slot_text(spec: KernelOpSpec, position: int, node: onnx.NodeProto) -> str:
@@ -349,7 +163,7 @@ def bind_node(
             f"produces {len(spec.outputs)}"
         )
     kept = {
-        name: _text(value)
+        name: text_value(value)
         for name, value in attrs.items()
         if not (name in spec.absent_attributes and spec.absent_attributes[name](value, attrs))
     }
@@ -436,21 +250,21 @@ class GroupedMatMul(_KernelOp):
 class QMoE(_KernelOp):
     """``com.microsoft.QMoE`` on the ``kernels/qmoe`` package."""
 
-    op_domain = _MS
+    op_domain = MS_DOMAIN
     spec = QMOE
 
 
 class MoE(_KernelOp):
     """``com.microsoft.MoE`` on the ``kernels/moe`` package."""
 
-    op_domain = _MS
+    op_domain = MS_DOMAIN
     spec = MOE
 
 
 class MatMulNBitsQkv(_KernelOp):
     """``com.microsoft.MatMulNBitsQkv`` on the ``kernels/matmul_nbits_qkv`` package."""
 
-    op_domain = _MS
+    op_domain = MS_DOMAIN
     spec = MATMUL_NBITS_QKV
 
 
@@ -458,29 +272,11 @@ KERNEL_OP_CLASSES: tuple[type[OpRun], ...] = (GroupedMatMul, QMoE, MoE, MatMulNB
 #: The reference path's OpRun classes for the ops no kernel package runs (see the module
 #: docstring); the wgpu evaluator installs them next to :data:`KERNEL_OP_CLASSES`.
 REFERENCE_OP_CLASSES: tuple[type[OpRun], ...] = tuple(
-    cls for cls in _REFERENCE_OPS if (cls.op_domain, cls.__name__) not in KERNEL_OPS
+    cls for cls in REFERENCE_OPS if (cls.op_domain, cls.__name__) not in KERNEL_OPS
 )
 
 
 # -- models -------------------------------------------------------------------------------------
-
-
-def _graph_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graph_nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _graph_nodes(g)
-
-
-def iter_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """Every node of the model: main graph, subgraphs and model-local functions."""
-    yield from _graph_nodes(model.graph)
-    for function in model.functions:
-        yield from function.node
 
 
 def kernel_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:

@@ -6,8 +6,11 @@ The tests, the benchmarks and the oracle checks all run ORT the same way, from h
   becomes ``""``, trailing absent inputs are dropped), the chosen positions as initializers and
   the others as graph inputs, opsets ``"" 21`` and ``com.microsoft 1``, IR version 10.
 * :func:`kernel_node_model` / :func:`run_kernel_node`: a QMoE or MoE kernel call (tensors by bind
-  key, attributes as the kernel takes them) as that one node, every attribute written explicitly
-  (absent ones at the manifests' defaults) and ORT's exact modes chosen: ``accuracy_level`` 0
+  key, attributes as the kernel takes them) as that one node, its inputs at the positions of
+  :mod:`onnx_moe_fuse.contract.ops` (bind keys translated by
+  :data:`onnx_moe_fuse.verify.oracles.kernel_calls.BIND_KEYS`), every attribute written
+  explicitly (absent ones at ORT's defaults, which the manifests declare too) and ORT's exact
+  modes chosen: ``accuracy_level`` 0
   (no int8 activations), no sparse mixer, no prepacked weights (QMoE's ``quant_type``,
   ``weights_prepacked`` and ``accuracy_level`` are the ort-cpu target's, from
   :mod:`onnx_moe_fuse.contract.targets`).
@@ -30,9 +33,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_moe_fuse.contract import targets as ort_contract
-from onnx_moe_fuse.verify.evaluator import MOE, QMOE, KernelOpSpec
-from onnx_moe_fuse.verify.oracles.kernel_calls import ATTRIBUTE_DEFAULTS
+from onnx_moe_fuse.contract.ops import (
+    MATMUL_NBITS,
+    MATMUL_NBITS_QKV,
+    MOE,
+    MS_DOMAIN,
+    QMOE,
+    ContribOp,
+)
+from onnx_moe_fuse.contract.targets import CONTRACTS
+from onnx_moe_fuse.verify.oracles.kernel_calls import BIND_KEYS
 
 __all__ = [
     "kernel_node_attributes",
@@ -47,13 +57,12 @@ __all__ = [
     "session",
 ]
 
-MS = "com.microsoft"
 #: Opsets of every model built here.
-OPSETS = {"": 21, MS: 1}
+OPSETS = {"": 21, MS_DOMAIN: 1}
 IR_VERSION = 10
 
-#: The ops :func:`kernel_node_model` builds, by kernel name: their ONNX input positions.
-_KERNEL_NODES: dict[str, KernelOpSpec] = {"QMoE": QMOE, "MoE": MOE}
+#: The ops :func:`kernel_node_model` builds, by kernel name (the contract has their inputs).
+_KERNEL_NODES: dict[str, ContribOp] = {"QMoE": QMOE, "MoE": MOE}
 
 
 def make_model(
@@ -102,7 +111,7 @@ def node_model(
     attrs: Mapping[str, Any],
     *,
     const: Collection[int] = (),
-    domain: str = MS,
+    domain: str = MS_DOMAIN,
     outputs: Sequence[str] = ("out",),
     output_dtype: Any = None,
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -141,7 +150,7 @@ def run_node(
     attrs: Mapping[str, Any],
     *,
     const: Collection[int] = (),
-    domain: str = MS,
+    domain: str = MS_DOMAIN,
     **session_options: Any,
 ) -> np.ndarray:
     """Run one node (:func:`node_model`) on ORT CPU; return its only output."""
@@ -153,13 +162,18 @@ def run_node(
 
 
 def kernel_node_inputs(kernel: str, call: Mapping[str, Any]) -> list[np.ndarray | None]:
-    """The call's tensors (by bind key) at the ONNX input positions of ``kernel``'s op."""
-    return [call.get(slot.bind_key) for slot in _KERNEL_NODES[kernel].inputs]
+    """The call's tensors (by bind key) at the ONNX input positions of ``kernel``'s op.
+
+    None for an absent input; trailing absent ones are left out.
+    """
+    keys = BIND_KEYS[kernel]
+    op = _KERNEL_NODES[kernel]
+    return op.input_list({name: call.get(keys[name]) for name in op.input_names if name in keys})
 
 
 def kernel_node_attributes(kernel: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
     """Every attribute of the QMoE / MoE node for a kernel call, written explicitly."""
-    a = {**ATTRIBUTE_DEFAULTS[kernel], **attrs}
+    a = _KERNEL_NODES[kernel].with_defaults(attrs)  # absent ones at ORT's (the manifests') defaults
     full: dict[str, Any] = {
         "k": a["k"],
         "activation_type": a["activation_type"],
@@ -173,7 +187,7 @@ def kernel_node_attributes(kernel: str, attrs: Mapping[str, Any]) -> dict[str, A
     if kernel == "QMoE":
         full["expert_weight_bits"] = a["expert_weight_bits"]
         # what ORT CPU needs for the raw layout and exact activations: the target contract's
-        full.update(ort_contract.CONTRACTS["ort-cpu"]["QMoE"].fixed)
+        full.update(CONTRACTS["ort-cpu"]["QMoE"].fixed)
         if a.get("block_size"):
             full["block_size"] = a["block_size"]
     if "swiglu_limit" in a:
@@ -193,7 +207,10 @@ def kernel_node_model(
     Returns the model (output ``out``, float32) and its feeds.
     """
     keys = set(const_keys)
-    const = {i for i, slot in enumerate(_KERNEL_NODES[kernel].inputs) if slot.bind_key in keys}
+    bind_keys = BIND_KEYS[kernel]
+    const = {
+        i for i, name in enumerate(_KERNEL_NODES[kernel].input_names) if bind_keys.get(name) in keys
+    }
     return node_model(
         kernel,
         kernel_node_inputs(kernel, call),
@@ -229,7 +246,7 @@ def qkv_composition_model(
     """
     a = call["aT"]
     elem = helper.np_dtype_to_tensor_dtype(a.dtype)
-    epsilon = {**ATTRIBUTE_DEFAULTS["MatMulNBitsQkv"], **attrs}["epsilon"]
+    epsilon = MATMUL_NBITS_QKV.with_defaults(attrs)["epsilon"]
     inputs = [helper.make_tensor_value_info("A", elem, a.shape)]
     feeds = {"A": a}
     inits = [numpy_helper.from_array(call["normScaleT"], "gamma")]
@@ -241,7 +258,7 @@ def qkv_composition_model(
             "SkipSimplifiedLayerNormalization",
             ["A", "skip", "gamma"],
             ["normed", "", "", "residual"],
-            domain=MS,
+            domain=MS_DOMAIN,
             epsilon=epsilon,
         )
     else:
@@ -262,10 +279,10 @@ def qkv_composition_model(
         ]
         nodes.append(
             helper.make_node(
-                "MatMulNBits",
-                ["normed", f"{p}_B", f"{p}_scales"],
+                MATMUL_NBITS.name,
+                MATMUL_NBITS.input_list({"A": "normed", "B": f"{p}_B", "scales": f"{p}_scales"}),
                 [names[f"{p}T"]],
-                domain=MS,
+                domain=MATMUL_NBITS.domain,
                 K=attrs["K"],
                 N=n,
                 bits=4,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnx_moe_fuse.contract.packing import pack_qmoe
 from onnx_moe_fuse.rewrites.moe.analysis import ExpertWeights, LayerPlan
-from onnx_moe_fuse.verify.oracles.quant import pack_qmoe
 
 __all__ = ["FusedArrays", "fused_arrays"]
 
@@ -36,6 +36,24 @@ class FusedArrays:
     fc2: np.ndarray
     fc2_scales: np.ndarray | None
     fc2_bias: np.ndarray | None
+
+    def by_input(self) -> dict[str, np.ndarray | None]:
+        """The arrays by the fused op's input names (``contract.ops``); None: an absent bias.
+
+        The scales are there only for QMoE. The order is the order the rule creates the
+        initializers in (weights and biases, then scales), which fixes the fused model's bytes.
+        """
+        out: dict[str, np.ndarray | None] = {
+            "fc1_experts_weights": self.fc1,
+            "fc1_experts_bias": self.fc1_bias,
+            "fc2_experts_weights": self.fc2,
+            "fc2_experts_bias": self.fc2_bias,
+        }
+        if self.fc1_scales is not None:
+            out["fc1_scales"] = self.fc1_scales
+        if self.fc2_scales is not None:
+            out["fc2_scales"] = self.fc2_scales
+        return out
 
 
 def _concat_bias(parts: tuple[ExpertWeights, ...]) -> np.ndarray | None:

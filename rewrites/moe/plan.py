@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES
 from onnx_moe_fuse.rewrites.graph.facts import (
     Refusal,
 )
@@ -23,10 +24,10 @@ from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
 
 #: Activations QMoE takes: ORT CPU runs all five, and so do this project's QMoE kernels
 #: (kernels/qmoe/manifest.json; test.json has a gelu, silu and identity case each). A target
-#: with fewer (onnxruntime-webgpu: swiglu only) refuses the rest in ``ort_contract``.
-QMOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+#: with fewer (onnxruntime-webgpu: swiglu only) refuses the rest in ``contract.targets``.
+QMOE_ACTIVATIONS = frozenset(ACTIVATION_TYPES)
 #: Activations ORT's CPU MoE runs.
-MOE_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "identity", "swiglu"})
+MOE_ACTIVATIONS = frozenset(ACTIVATION_TYPES)
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 QUANT_TYPES = {
     ir.DataType.INT4: (4, True),

@@ -28,6 +28,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from onnx_moe_fuse.contract.ops import CONTRIB_OPS, MOE, MS_DOMAIN, QMOE
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 from onnx_moe_fuse.rewrites.moe.analysis import LayerPlan, Refusal, analyse_layer, refusal_part
 from onnx_moe_fuse.rewrites.moe.emit import fused_arrays
@@ -52,13 +53,12 @@ __all__ = [
 ]
 
 #: The ops the layer rules emit (all in the ``com.microsoft`` domain).
-FUSED_OPS = frozenset({"MoE", "QMoE"})
+FUSED_OPS = frozenset({MOE.name, QMOE.name})
 #: Node metadata key carrying the replaced node names (JSON list), read by the fusion pass.
 REPLACED_KEY = "onnx_moe_fuse.replaced"
 #: Node metadata keys naming the value a fused node replaces and its routing TopK's first output.
 LAYER_OUT_KEY = "onnx_moe_fuse.layer_out"
 TOPK_KEY = "onnx_moe_fuse.topk"
-MS_DOMAIN = "com.microsoft"
 
 
 def var(name: str, optional: bool = False) -> pattern.Var:
@@ -236,22 +236,14 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         if plan.rank != 2:
             shape = op.Constant(value=ir.tensor(np.array([-1, plan.num_experts], dtype=np.int64)))
             router = op.Reshape(router, shape)
-        w1 = const("fc1_experts_weights", arrays.fc1)
-        b1 = const("fc1_experts_bias", arrays.fc1_bias)
-        w2 = const("fc2_experts_weights", arrays.fc2)
-        b2 = const("fc2_experts_bias", arrays.fc2_bias)
-        if plan.op == "MoE":
-            inputs = [plan.tokens, router, w1, b1, w2, b2]
-        else:
-            s1 = const("fc1_scales", arrays.fc1_scales)
-            s2 = const("fc2_scales", arrays.fc2_scales)
-            inputs = [plan.tokens, router, w1, s1, b1, w2, s2, b2]
-        while inputs[-1] is None:
-            inputs.pop()
+        fused_op = CONTRIB_OPS[plan.op]
+        values = {"input": plan.tokens, "router_probs": router}
+        values.update((name, const(name, array)) for name, array in arrays.by_input().items())
+        inputs = fused_op.input_list(values)
         out = op.op(
-            plan.op,
+            fused_op.name,
             *inputs,
-            _domain=MS_DOMAIN,
+            _domain=fused_op.domain,
             _name=f"{base}/{plan.op}",
             **plan.attributes(),
         )

@@ -12,13 +12,13 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import _basics, pattern
 
+from onnx_moe_fuse.contract.ops import MATMUL_NBITS_QKV, MS_DOMAIN
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_float
 
-MS_DOMAIN = "com.microsoft"
 #: The op these rules emit (``com.microsoft`` domain).
-FUSED_OP = "MatMulNBitsQkv"
-#: The attributes every emitted node writes (ORT's defaults are not relied on).
-FUSED_ATTRIBUTES = frozenset({"K", "Nq", "Nkv", "bits", "block_size", "epsilon", "accuracy_level"})
+FUSED_OP = MATMUL_NBITS_QKV.name
+#: The attributes every emitted node writes, all of the op's (ORT's defaults are not relied on).
+FUSED_ATTRIBUTES = MATMUL_NBITS_QKV.attribute_names
 #: Node metadata key carrying the replaced node names (JSON list), as the MoE rules write it.
 REPLACED_KEY = "onnx_moe_fuse.replaced"
 

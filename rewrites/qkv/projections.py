@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.contract.ops import MATMUL_NBITS
+from onnx_moe_fuse.contract.packing import pack_matmul_nbits, unpack_bits, zero_point
 from onnx_moe_fuse.rewrites.qkv.graph import (
     BITS,
     BLOCK,
@@ -104,12 +106,10 @@ def _check_zero_points_nbits(proj: ir.Node, zp: ir.Value, n: int, kb: int) -> No
             raise refuse(
                 f"{item_label(proj)}: zero points of unexpected shape {arr.shape}", proj, zp
             )
-        lo = arr.reshape(n, per_row) & 0x0F
-        hi = arr.reshape(n, per_row) >> 4
-        points = np.stack([lo, hi], axis=-1).reshape(n, 2 * per_row)[:, :kb]
+        points = unpack_bits(arr.reshape(n, per_row), BITS)[:, :kb]
     else:
         points = arr.astype(np.float64).reshape(-1)
-    if not np.all(points == 8):
+    if not np.all(points == zero_point(BITS)):
         raise refuse(
             f"{item_label(proj)}: asymmetric zero points (not all 8); MatMulNBitsQkv has no "
             "zero-point inputs, its 4-bit weights are symmetric (zero point 8)",
@@ -123,10 +123,13 @@ def _nbits_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any],
     zp, g_idx, bias = (bindings.get(f"p{s}_{n}") for n in ("zero_points", "g_idx", "bias"))
     label = item_label(node)
     k, n = int_attr(node, "K", None), int_attr(node, "N", None)
-    bits, bs = int_attr(node, "bits", 4), int_attr(node, "block_size", None)
+    bits, bs = (
+        int_attr(node, "bits", MATMUL_NBITS.default("bits")),
+        int_attr(node, "block_size", None),
+    )
     if k is None or n is None or bs is None:
         raise refuse(f"{label}: MatMulNBits without its K, N or block_size attribute", node)
-    if int_attr(node, "weight_prepacked", 0):
+    if int_attr(node, "weight_prepacked", MATMUL_NBITS.default("weight_prepacked")):
         raise refuse(f"{label}: weight_prepacked=1 (an execution-provider layout)", node)
     if bits != BITS:
         raise refuse(
@@ -273,7 +276,7 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
                 node,
                 zp_v,
             )
-        want = 0 if signed else 8
+        want = 0 if signed else zero_point(BITS)
         if zp.size not in (1, kb * n) or not np.all(zp.astype(np.int64) == want):
             raise refuse(
                 f"{label}: asymmetric zero points (not all {want} for "
@@ -281,11 +284,9 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
                 node,
                 zp_v,
             )
-    unsigned = codes.astype(np.int64) + (8 if signed else 0)  # zero point 8, values 0..15
-    padded = np.full((n, kb * bs), 8, dtype=np.uint8)
-    padded[:, :k] = unsigned.T.astype(np.uint8)
-    blocks = padded.reshape(n, kb, bs)
-    b = (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).astype(np.uint8)  # low nibble first
+    # unsigned codes around MatMulNBits' zero point 8 (int4 shifted by it), values 0..15
+    unsigned = codes.astype(np.int64) + (zero_point(BITS) if signed else 0)
+    b = pack_matmul_nbits(unsigned.T, BITS, bs)
     scales = np.ascontiguousarray(scale.T.astype(scale.dtype))
     names = [node.name, output.name, weight.name, codes_v.name, dq.name]
     return Projection(node, output, n, k, dtype, b, scales, [x for x in names if x])

@@ -32,9 +32,9 @@ tell"); with none for K against V it takes graph order (the earlier one is K): b
 width Nkv and each output is rewired to the slot computed from its own weights, so the choice
 cannot change a number.
 
-What ``rewrite`` emits: one ``com.microsoft.MatMulNBitsQkv`` inserted right after the norm, with
-ONNX Runtime's input positions ``A, skip, norm_scale, q_B, q_scales, "", k_B, k_scales, "", v_B,
-v_scales, ""`` and every attribute written (``K, Nq, Nkv, bits=4, block_size=32, epsilon,
+What ``rewrite`` emits: one ``com.microsoft.MatMulNBitsQkv`` inserted right after the norm, its
+inputs by name at ONNX Runtime's positions (``onnx_moe_fuse.contract.ops``): ``A, skip,
+norm_scale, q_B, q_scales, "", k_B, k_scales, "", v_B, v_scales`` and every attribute written (``K, Nq, Nkv, bits=4, block_size=32, epsilon,
 accuracy_level=0``). MatMulNBits weights pass through unchanged (flat scales reshaped to
 ``[N, k_blocks]``); DequantizeLinear weights are repacked into MatMulNBits layout (int4 codes
 shifted by 8, low nibble first, a last partial block padded with 8). The three projection outputs
@@ -64,6 +64,7 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import _basics, pattern
 
+from onnx_moe_fuse.contract.ops import MATMUL_NBITS_QKV
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 from onnx_moe_fuse.rewrites.qkv.graph import (
     COUNT_PREFIX,
@@ -292,18 +293,21 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
             name = _fresh_name(graph, f"{base}.{suffix}", taken)
             return op.initializer(self._weight_sink(item, name), name=name)
 
-        inputs: list[ir.Value | None] = [
-            plan.a,
-            plan.skip,
-            value(plan.scale, "norm_scale"),
-        ]
-        for role in ROLES:
+        values: dict[str, ir.Value | None] = {
+            "A": plan.a,
+            "skip": plan.skip,
+            "norm_scale": value(plan.scale, "norm_scale"),
+        }
+        for role in ROLES:  # no biases: the rule refuses projections with one
             p = plan.projections[plan.roles[role]]
-            inputs += [value(p.b, f"{role}_B"), value(p.scales, f"{role}_scales"), None]
+            values[f"{role}_B"] = value(p.b, f"{role}_B")
+            values[f"{role}_scales"] = value(p.scales, f"{role}_scales")
         outs = op.op(
-            FUSED_OP,
-            *inputs,
-            _domain=MS_DOMAIN,
+            MATMUL_NBITS_QKV.name,
+            # every slot: the rule has always emitted all twelve (a dead-code pass drops the
+            # trailing empty one, which ONNX reads the same way)
+            *MATMUL_NBITS_QKV.input_list(values, every_slot=True),
+            _domain=MATMUL_NBITS_QKV.domain,
             _outputs=4 if plan.emit_residual else 3,
             _name=f"{base}/{FUSED_OP}",
             **plan.attributes(),

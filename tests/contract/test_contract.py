@@ -1,4 +1,4 @@
-"""The per-target op contract (``ort_contract``) against the schema facts it was written from.
+"""The per-target op contract (``contract.targets``) against the schema facts it was written from.
 
 ``ort_schema_facts.json`` (beside this file) holds what was read: the CUDA provider's documented
 QMoE/MoE attributes and kernel registrations (microsoft/onnxruntime, commits named there), and
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from onnx_moe_fuse.contract import targets as oc
+from onnx_moe_fuse.contract.targets import target_named as t
 
 FACTS = json.loads((Path(__file__).parent / "ort_schema_facts.json").read_text())
 CUDA = FACTS["ort-cuda"]
@@ -43,29 +44,34 @@ def test_targets_and_default():
     assert oc.DEFAULT_TARGET == "ort-cpu"
     assert set(oc.CONTRACTS) == set(oc.TARGETS)
     with pytest.raises(ValueError, match="unknown target 'ort-tpu': choose one of ort-cpu"):
-        oc.check_target("ort-tpu")
+        oc.target_named("ort-tpu")
+    assert oc.DEFAULT is t(oc.DEFAULT_TARGET) and oc.as_target(oc.DEFAULT) is oc.DEFAULT
+    for name in oc.TARGETS:
+        target = t(name)
+        assert (target.name, str(target), target.max_opset) == (name, name, oc.MAX_OPSET[name])
+        assert oc.as_target(name) is target and target.contracts is oc.CONTRACTS[name]
 
 
 def test_ops_per_target():
-    assert oc.ops_for("ort-cpu") == {"MoE", "QMoE"}
-    assert oc.ops_for("ort-cuda") == set(CUDA["kernels"])
-    assert oc.ops_for("ort-webgpu") == {"QMoE", "MatMulNBitsQkv"}
+    assert t("ort-cpu").ops == {"MoE", "QMoE"}
+    assert t("ort-cuda").ops == set(CUDA["kernels"])
+    assert t("ort-webgpu").ops == {"QMoE", "MatMulNBitsQkv"}
 
 
 @pytest.mark.parametrize("target", oc.TARGETS)
 def test_every_emitted_attribute_is_in_the_targets_schema(target):
-    for op in oc.ops_for(target):
-        assert oc.attribute_names(op, target) <= set(SCHEMA[target][op]), (target, op)
+    for op in t(target).ops:
+        assert t(target).attribute_names(op) <= set(SCHEMA[target][op]), (target, op)
 
 
 def test_qmoe_attribute_sets_per_target():
     common = set(QMOE_ATTRS) | {"quant_type"}
-    assert oc.attribute_names("QMoE", "ort-cpu") == common | {"weights_prepacked", "accuracy_level"}
-    assert oc.attribute_names("QMoE", "ort-cuda") == common | {"weights_prepacked"}
-    assert oc.attribute_names("QMoE", "ort-webgpu") == common
-    cpu = oc.node_attributes("QMoE", QMOE_ATTRS, "ort-cpu")
+    assert t("ort-cpu").attribute_names("QMoE") == common | {"weights_prepacked", "accuracy_level"}
+    assert t("ort-cuda").attribute_names("QMoE") == common | {"weights_prepacked"}
+    assert t("ort-webgpu").attribute_names("QMoE") == common
+    cpu = t("ort-cpu").node_attributes("QMoE", QMOE_ATTRS)
     assert (cpu["weights_prepacked"], cpu["accuracy_level"], cpu["quant_type"]) == (0, 0, "int")
-    webgpu = oc.node_attributes("QMoE", {**QMOE_ATTRS, "accuracy_level": 0}, "ort-webgpu")
+    webgpu = t("ort-webgpu").node_attributes("QMoE", {**QMOE_ATTRS, "accuracy_level": 0})
     assert "weights_prepacked" not in webgpu and "accuracy_level" not in webgpu
     assert webgpu["swiglu_limit"] == 7.0 and webgpu["quant_type"] == "int"
 
@@ -73,16 +79,16 @@ def test_qmoe_attribute_sets_per_target():
 def test_cuda_contract_matches_the_documented_schema():
     """The raw layout needs weights_prepacked=0 on CUDA: its default (-1) means prepacked."""
     assert CUDA["weights_prepacked"]["default"] == -1
-    attrs = oc.node_attributes("QMoE", QMOE_ATTRS, "ort-cuda")
+    attrs = t("ort-cuda").node_attributes("QMoE", QMOE_ATTRS)
     assert attrs["weights_prepacked"] == CUDA["weights_prepacked"]["raw_layout_value"] == 0
     assert attrs["quant_type"] == CUDA["quant_type_for_integer_weights"]
-    for op in oc.ops_for("ort-cuda"):
-        assert oc.attribute_names(op, "ort-cuda") <= set(CUDA["attributes"][op]), op
+    for op in t("ort-cuda").ops:
+        assert t("ort-cuda").attribute_names(op) <= set(CUDA["attributes"][op]), op
         contract = oc.CONTRACTS["ort-cuda"][op]
         assert contract.activations == set(CUDA["activation_types"])
         assert contract.dtypes == set(CUDA["kernels"][op])
     for op in CUDA["ops_without_kernel"]:
-        assert "registers none" in oc.refusal(op, None, "ort-cuda")
+        assert "registers none" in t("ort-cuda").refusal(op, None)
 
 
 def test_installed_onnxruntime_has_the_recorded_schema():
@@ -102,26 +108,26 @@ def test_installed_onnxruntime_has_the_recorded_schema():
 def test_swiglu_limit_is_written_as_infinity_when_the_layer_does_not_clamp():
     attrs = {k: v for k, v in QMOE_ATTRS.items() if k != "swiglu_limit"}
     for target in ("ort-cpu", "ort-webgpu"):
-        assert math.isinf(oc.node_attributes("QMoE", attrs, target)["swiglu_limit"])
+        assert math.isinf(t(target).node_attributes("QMoE", attrs)["swiglu_limit"])
 
 
 def test_a_missing_semantic_attribute_is_refused():
     attrs = {k: v for k, v in QMOE_ATTRS.items() if k != "block_size"}
     with pytest.raises(ValueError, match="block_size"):
-        oc.node_attributes("QMoE", attrs, "ort-cpu")
+        t("ort-cpu").node_attributes("QMoE", attrs)
     with pytest.raises(KeyError):
-        oc.node_attributes("MoE", QMOE_ATTRS, "ort-webgpu")
+        t("ort-webgpu").node_attributes("MoE", QMOE_ATTRS)
 
 
 def test_refusals_name_the_target_and_the_alternative():
-    assert oc.refusal("QMoE", "swiglu", "ort-webgpu", "float32") is None
-    assert oc.refusal("MoE", "gelu", "ort-cpu", "float32") is None
-    moe = oc.refusal("MoE", "swiglu", "ort-webgpu")
+    assert t("ort-webgpu").refusal("QMoE", "swiglu", "float32") is None
+    assert t("ort-cpu").refusal("MoE", "gelu", "float32") is None
+    moe = t("ort-webgpu").refusal("MoE", "swiglu")
     assert moe.startswith("ort-webgpu has no float MoE kernel (onnxruntime-webgpu 1.27)")
     assert "QMoE" in moe and "target ort-cpu" in moe
-    gelu = oc.refusal("QMoE", "gelu", "ort-webgpu")
+    gelu = t("ort-webgpu").refusal("QMoE", "gelu")
     assert "swiglu only" in gelu and "gelu" in gelu and "target ort-cpu or ort-cuda" in gelu
-    f32 = oc.refusal("QMoE", "swiglu", "ort-cuda", "float32")
+    f32 = t("ort-cuda").refusal("QMoE", "swiglu", "float32")
     assert "no float32 QMoE kernel" in f32 and f32.endswith("target ort-cpu or ort-webgpu")
-    qkv = oc.refusal("MatMulNBitsQkv", None, "ort-cpu")
+    qkv = t("ort-cpu").refusal("MatMulNBitsQkv", None)
     assert "ort-cpu has no MatMulNBitsQkv kernel" in qkv and "target ort-webgpu" in qkv

@@ -184,9 +184,9 @@ def test_an_error_while_fusing_leaves_nothing(stacked, tmp_path, monkeypatch):
     src = _copy_input(stacked, tmp_path / "work")
     real = streaming_io.fusion_pipeline
 
-    def failing(report, only, weight_sink=None):
+    def failing(report, only, weight_sink=None, **target):
         def run(model):
-            real(report, only, weight_sink=weight_sink)(model)
+            real(report, only, weight_sink=weight_sink, **target)(model)
             assert weight_sink is not None and weight_sink.tensors_written > 0
             raise RuntimeError("injected after fusing")
 

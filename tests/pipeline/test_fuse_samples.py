@@ -15,7 +15,7 @@ import pytest
 from helpers import env_seed, nonzero_rel_err
 
 from onnx_moe_fuse import FuseResult, fuse
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import DEFAULT
 from onnx_moe_fuse.pipeline import (
     FusedNodesCheckPass,
     FusionReport,
@@ -86,7 +86,7 @@ def test_fuses_exactly_as_recorded(name: str) -> None:
         assert key in attrs, f"{name}: attribute {key} not written"
         assert_same_value(key, attrs[key], want)
         assert_same_value(key, fusion["attributes"][key], want)
-    expected_keys = ort_contract.attribute_names(node.op_type, ort_contract.DEFAULT_TARGET)
+    expected_keys = DEFAULT.attribute_names(node.op_type)
     assert set(attrs) == expected_keys, f"{name}: attributes {sorted(attrs)}"
     # ORT's input positions, "" for an absent optional input
     n_inputs = {"MoE": (4, 6), "QMoE": (7, 8)}[node.op_type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import pytest
 
-from onnx_moe_fuse.contract import targets as ort_contract
+from onnx_moe_fuse.contract.targets import target_named
 from onnx_moe_fuse.pipeline import FusedNodesCheckPass, FusionReport, fusion_pipeline
 from onnx_moe_fuse.samples import get_sample
 
@@ -29,7 +29,7 @@ def test_qmoe_carries_the_targets_attribute_set(target):
     model, report, _ = _fuse("mixtral_dec_int4b32", target)
     (node,) = _fused(model)
     assert node.op_type == "QMoE"
-    assert set(node.attributes) == ort_contract.attribute_names("QMoE", target)
+    assert set(node.attributes) == target_named(target).attribute_names("QMoE")
     assert set(report.fusions[0]["attributes"]) == set(node.attributes)
     assert report.to_dict()["target"] == target
     if target == "ort-cpu":
@@ -55,7 +55,7 @@ def test_float_moe_fuses_for_cpu_and_cuda():
         model, report, _ = _fuse("mixtral_dec_f32", target)
         assert [f["op"] for f in report.fusions] == ["MoE"], target
         (node,) = _fused(model)
-        assert set(node.attributes) == ort_contract.attribute_names("MoE", target)
+        assert set(node.attributes) == target_named(target).attribute_names("MoE")
 
 
 def test_float32_qmoe_is_not_emitted_for_cuda():
@@ -81,7 +81,7 @@ def test_qkv_fuses_for_webgpu_with_its_attribute_set():
     model, report, _ = _fuse("qkv_skip_sln_nbits_residual_rank3", "ort-webgpu")
     assert [f["op"] for f in report.fusions] == ["MatMulNBitsQkv"]
     (node,) = _fused(model)
-    assert set(node.attributes) == ort_contract.attribute_names("MatMulNBitsQkv", "ort-webgpu")
+    assert set(node.attributes) == target_named("ort-webgpu").attribute_names("MatMulNBitsQkv")
     assert node.attributes["accuracy_level"].value == 0
 
 
@@ -94,9 +94,29 @@ def test_only_meets_the_target():
 
 def test_postcondition_refuses_a_node_the_target_cannot_run():
     model, _, _ = _fuse("mixtral_dec_f32", "ort-cpu")
-    FusedNodesCheckPass("ort-cpu")(model)
+    FusedNodesCheckPass(target_named("ort-cpu"))(model)
     with pytest.raises(ir.passes.PostconditionError, match="ort-webgpu, which has no kernel"):
-        FusedNodesCheckPass("ort-webgpu")(model)
+        FusedNodesCheckPass(target_named("ort-webgpu"))(model)
     model, _, _ = _fuse("mixtral_dec_int4b32", "ort-cpu")
     with pytest.raises(ir.passes.PostconditionError, match="but ort-cuda takes"):
-        FusedNodesCheckPass("ort-cuda")(model)
+        FusedNodesCheckPass(target_named("ort-cuda"))(model)
+
+
+def test_the_api_parses_a_target_once_and_the_passes_share_it():
+    from onnx_moe_fuse import fuse
+    from onnx_moe_fuse.api import check_target
+    from onnx_moe_fuse.errors import OptionError
+
+    with pytest.raises(
+        OptionError, match="target: unknown target 'tpu'; choose one of ort-cpu"
+    ) as e:
+        fuse(get_sample("mixtral_dec_int4b32").model, target="tpu")
+    assert e.value.option == "target"
+    webgpu = target_named("ort-webgpu")
+    assert check_target("ort-webgpu") is webgpu and check_target(webgpu) is webgpu
+    by_name = fuse(get_sample("mixtral_dec_int4b32").model, target="ort-webgpu").model
+    by_object = fuse(get_sample("mixtral_dec_int4b32").model, target=webgpu).model
+    assert by_name.SerializeToString() == by_object.SerializeToString()
+    passes = fusion_pipeline(FusionReport(), None, "ort-webgpu").passes
+    targets = [p.target for p in passes if hasattr(p, "target")]
+    assert len(targets) == 3 and all(t is webgpu for t in targets)

@@ -6,7 +6,10 @@ are the call's tensors by bind key (``inputT``, ``fc1ScalesT``, ``aT`` ...; an a
 input is missing or ``None``), ``attrs`` its attributes under their ONNX names, and the result
 holds every output the oracle computes, by bind key (``outputT``; ``qT``, ``kT``, ``vT`` and,
 where a skip input is given, ``residualT``). An attribute the call leaves out takes the default
-its manifest declares (:data:`ATTRIBUTE_DEFAULTS`, pinned against the manifests by the tests).
+its manifest declares (:data:`ATTRIBUTE_DEFAULTS`: ONNX Runtime's, from
+:mod:`onnx_moe_fuse.contract.ops`, and pinned against the manifests by the tests).
+:data:`BIND_KEYS` names the bind key of each ONNX input and output, as the manifests' ``args``
+map them (``semantic``): the wgpu evaluator and the ORT node builders translate with it.
 
 The kernel tests, the kernel benchmark and ``onnx-moe-fuse --self-check`` all use these, so a
 kernel is always held to the same reference. One case goes beyond the oracles themselves: QMoE
@@ -21,36 +24,97 @@ from typing import Any
 
 import numpy as np
 
+from onnx_moe_fuse.contract.ops import MATMUL_NBITS_QKV, MOE, QMOE
 from onnx_moe_fuse.verify.oracles.grouped_matmul import grouped_matmul
 from onnx_moe_fuse.verify.oracles.matmul_nbits_qkv import matmul_nbits_qkv
 from onnx_moe_fuse.verify.oracles.moe import moe, qmoe, route_moe, route_qmoe
 
-__all__ = ["ATTRIBUTE_DEFAULTS", "KERNEL_ORACLES", "KernelOracle"]
+__all__ = ["ATTRIBUTE_DEFAULTS", "BIND_KEYS", "KERNEL_ORACLES", "KernelOracle"]
 
 #: ``(inputs by bind key, attributes) -> outputs by bind key``.
 KernelOracle = Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, np.ndarray]]
 
-#: The attribute defaults of each kernel manifest that change an oracle's result.
+#: The attributes whose default changes an oracle's result, by kernel name: the defaults are
+#: ONNX Runtime's (the manifests declare the same ones, as ``tests/verify/test_selfcheck.py``
+#: checks).
+_RESULT_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "GroupedMatMul": (),
+    "QMoE": (
+        "k",
+        "activation_type",
+        "expert_weight_bits",
+        "swiglu_fusion",
+        "activation_alpha",
+        "activation_beta",
+        "normalize_routing_weights",
+    ),
+    "MoE": (
+        "k",
+        "activation_type",
+        "swiglu_fusion",
+        "activation_alpha",
+        "activation_beta",
+        "normalize_routing_weights",
+    ),
+    "MatMulNBitsQkv": ("bits", "epsilon"),
+}
+_OPS = {op.name: op for op in (QMOE, MOE, MATMUL_NBITS_QKV)}
+#: The attribute defaults of each kernel that change an oracle's result.
 ATTRIBUTE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "GroupedMatMul": {},
+    kernel: {name: _OPS[kernel].default(name) for name in names}
+    for kernel, names in _RESULT_ATTRIBUTES.items()
+}
+
+_MOE_BIND_KEYS = {
+    "input": "inputT",
+    "router_probs": "routerT",
+    "fc1_experts_weights": "fc1T",
+    "fc1_experts_bias": "fc1BiasT",
+    "fc2_experts_weights": "fc2T",
+    "fc2_experts_bias": "fc2BiasT",
+    "fc3_experts_weights": "fc3T",
+    "fc3_experts_bias": "fc3BiasT",
+    "output": "outputT",
+}
+#: Kernel name -> ``{ONNX input or output name: bind key}`` (an input missing here has no
+#: bind key: no kernel implements it).
+BIND_KEYS: dict[str, dict[str, str]] = {
+    "GroupedMatMul": {
+        "input": "inputT",
+        "weights": "weightsT",
+        "group_indices": "groupIndicesT",
+        "bias": "biasT",
+        "output": "outputT",
+    },
     "QMoE": {
-        "k": 1,
-        "activation_type": "relu",
-        "expert_weight_bits": 4,
-        "swiglu_fusion": 0,
-        "activation_alpha": 1.0,
-        "activation_beta": 0.0,
-        "normalize_routing_weights": 0,
+        **_MOE_BIND_KEYS,
+        "fc1_scales": "fc1ScalesT",
+        "fc2_scales": "fc2ScalesT",
+        "fc3_scales": "fc3ScalesT",
+        "fc1_zero_points": "fc1ZeroPointsT",
+        "fc2_zero_points": "fc2ZeroPointsT",
+        "fc3_zero_points": "fc3ZeroPointsT",
+        "router_weights": "routerWeightsT",
     },
-    "MoE": {
-        "k": 1,
-        "activation_type": "relu",
-        "swiglu_fusion": 0,
-        "activation_alpha": 1.0,
-        "activation_beta": 0.0,
-        "normalize_routing_weights": 0,
+    "MoE": _MOE_BIND_KEYS,
+    "MatMulNBitsQkv": {
+        "A": "aT",
+        "skip": "skipT",
+        "norm_scale": "normScaleT",
+        "q_B": "qBT",
+        "q_scales": "qScalesT",
+        "q_bias": "qBiasT",
+        "k_B": "kBT",
+        "k_scales": "kScalesT",
+        "k_bias": "kBiasT",
+        "v_B": "vBT",
+        "v_scales": "vScalesT",
+        "v_bias": "vBiasT",
+        "Q": "qT",
+        "K": "kT",
+        "V": "vT",
+        "input_skip_bias_sum": "residualT",
     },
-    "MatMulNBitsQkv": {"bits": 4, "epsilon": 9.999999974752427e-07},
 }
 
 

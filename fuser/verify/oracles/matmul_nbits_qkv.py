@@ -10,7 +10,7 @@
 
 which equals ONNX Runtime's CPU composition ``SimplifiedLayerNormalization`` (ai.onnx domain) or
 ``com.microsoft.SkipSimplifiedLayerNormalization`` followed by three ``com.microsoft.MatMulNBits``.
-MatMulNBits weights use the layout of :mod:`onnx_moe_fuse.verify.oracles.quant`: ``B [N, k_blocks,
+MatMulNBits weights use the layout of :mod:`onnx_moe_fuse.contract.packing`: ``B [N, k_blocks,
 blob_size]`` uint8, scales ``[N, k_blocks]`` of the activation dtype, symmetric zero point
 (8 for 4-bit), low bits first.
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from onnx_moe_fuse.verify.oracles.quant import MATMUL_NBITS_BITS, dequantize_matmul_nbits
+from onnx_moe_fuse.contract.packing import MATMUL_NBITS_BITS
+from onnx_moe_fuse.verify.oracles.quant import dequantize_matmul_nbits
 
 __all__ = ["rms_norm", "matmul_nbits", "matmul_nbits_qkv"]
 

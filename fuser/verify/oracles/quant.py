@@ -1,27 +1,36 @@
-"""Symmetric integer weight packing for ONNX Runtime's QMoE and MatMulNBits, in plain numpy.
+"""Symmetric quantisation of QMoE and MatMulNBits weights, and its inverse, in plain numpy.
 
-Conventions (pinned against ONNX Runtime 1.32 CPU by ``tests/verify/oracles``):
-
-* Codes are unsigned. A code ``q`` of a ``bits``-wide weight means ``(q - zp) * scale`` with the
-  symmetric zero point ``zp = 2 ** (bits - 1)``: 8 for 4-bit, 128 for 8-bit (2 for 2-bit).
-* Sub-byte codes are packed along the reduction axis, the earliest element in the lowest bits:
-  for 4-bit, byte ``j`` holds element ``2j`` in its low nibble and ``2j + 1`` in its high nibble.
-* QMoE raw layout: weights ``[E, N, K / pack]`` uint8 (``pack`` = 2 for 4-bit, 1 for 8-bit), one
-  row per output channel ``N``, packed along the reduction axis ``K``. Scales are ``[E, N]``
-  (column-wise: one scale per output row) or ``[E, N, K / block_size]`` (block-wise).
-* MatMulNBits layout: ``B [N, k_blocks, blob_size]`` uint8 with ``k_blocks = ceil(K / block_size)``
-  and ``blob_size = block_size * bits / 8``; scales ``[N, k_blocks]``; no zero-point input means
-  the symmetric zero point above. A last partial block is padded with the zero-point code.
+The layouts (zero points, bit packing, QMoE's raw ``[E, N, K / pack]`` and MatMulNBits'
+``B [N, k_blocks, blob_size]``) are ONNX Runtime's, defined once in
+:mod:`onnx_moe_fuse.contract.packing`; the packing names are re-exported here, where the tests
+and the samples have always imported them.
 
 ``quantize_*`` helpers make test data: ``scale = max|w| / (2 ** (bits - 1) - 1)`` per row (or per
 block), rounded to ``scale_dtype`` before the codes are computed, so ``dequantize`` of the result is
 the closest grid point to ``w`` (or a stochastic rounding to a neighbour when ``rng`` is given).
+``dequantize_*`` compute ``(code - zero point) * scale`` in float64, rounded once.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
+from onnx_moe_fuse.contract.packing import (
+    MATMUL_NBITS_BITS,
+    QMOE_BITS,
+    check_bits,
+    check_block_size,
+    nbits_blocks,
+    pack_bits,
+    pack_matmul_nbits,
+    pack_qmoe,
+    pack_size,
+    unpack_bits,
+    unpack_matmul_nbits,
+    unpack_qmoe,
+    zero_point,
+)
 
 __all__ = [
     "QMOE_BITS",
@@ -39,103 +48,6 @@ __all__ = [
     "quantize_matmul_nbits",
     "dequantize_matmul_nbits",
 ]
-
-QMOE_BITS: tuple[int, ...] = (4, 8)
-MATMUL_NBITS_BITS: tuple[int, ...] = (2, 4, 8)
-_PACKABLE_BITS: tuple[int, ...] = (2, 4, 8)
-
-
-def _check_bits(bits: int, allowed: tuple[int, ...], name: str = "bits") -> int:
-    if (
-        isinstance(bits, bool)
-        or not isinstance(bits, (int, np.integer))
-        or int(bits) not in allowed
-    ):
-        raise ValueError(f"{name} must be one of {allowed}, got {bits!r}")
-    return int(bits)
-
-
-def _check_block_size(block_size: int, name: str = "block_size") -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-        raise ValueError(f"{name} must be a positive integer, got {block_size!r}")
-    if block_size <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {block_size}")
-    return int(block_size)
-
-
-def zero_point(bits: int) -> int:
-    """Return the symmetric zero point ``2 ** (bits - 1)`` (8 for 4-bit, 128 for 8-bit)."""
-    bits = _check_bits(bits, _PACKABLE_BITS)
-    return 1 << (bits - 1)
-
-
-def pack_size(bits: int) -> int:
-    """Return how many codes one byte holds: 2 for 4-bit, 1 for 8-bit, 4 for 2-bit."""
-    bits = _check_bits(bits, _PACKABLE_BITS)
-    return 8 // bits
-
-
-def pack_bits(codes: npt.ArrayLike, bits: int) -> np.ndarray:
-    """Pack unsigned ``codes [..., K]`` into uint8 ``[..., K * bits / 8]``, earliest code lowest.
-
-    ``K`` must be a multiple of ``8 / bits`` and every code must be below ``2 ** bits``.
-    """
-    bits = _check_bits(bits, _PACKABLE_BITS)
-    c = np.asarray(codes)
-    if not np.issubdtype(c.dtype, np.integer):
-        raise ValueError(f"codes must be an integer array, got dtype {c.dtype}")
-    if c.ndim < 1:
-        raise ValueError("codes must have rank >= 1 (packed along the last axis)")
-    per = 8 // bits
-    if c.shape[-1] % per:
-        raise ValueError(
-            f"codes has {c.shape[-1]} elements on its last axis, not a multiple of {per} "
-            f"({bits}-bit codes pack {per} to a byte)"
-        )
-    if c.size and (c.min() < 0 or c.max() >= (1 << bits)):
-        raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits}-bit packing")
-    c = c.astype(np.uint8).reshape(*c.shape[:-1], c.shape[-1] // per, per)
-    packed = np.zeros(c.shape[:-1], dtype=np.uint8)
-    for j in range(per):
-        packed |= (c[..., j] << (j * bits)).astype(np.uint8)
-    return packed
-
-
-def unpack_bits(packed: npt.ArrayLike, bits: int) -> np.ndarray:
-    """Unpack uint8 ``[..., B]`` into uint8 codes ``[..., B * 8 / bits]``, earliest code lowest."""
-    bits = _check_bits(bits, _PACKABLE_BITS)
-    p = np.asarray(packed)
-    if p.dtype != np.uint8:
-        raise ValueError(f"packed must be uint8, got dtype {p.dtype}")
-    if p.ndim < 1:
-        raise ValueError("packed must have rank >= 1 (packed along the last axis)")
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    parts = [(p >> (j * bits)) & mask for j in range(per)]
-    return np.stack(parts, axis=-1).reshape(*p.shape[:-1], p.shape[-1] * per).astype(np.uint8)
-
-
-# ---------------------------------------------------------------------------------------------
-# QMoE raw layout
-# ---------------------------------------------------------------------------------------------
-
-
-def pack_qmoe(codes: npt.ArrayLike, bits: int) -> np.ndarray:
-    """Pack codes ``[E, N, K]`` into QMoE's raw layout ``[E, N, K / pack]`` uint8."""
-    bits = _check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
-    c = np.asarray(codes)
-    if c.ndim != 3:
-        raise ValueError(f"codes must have rank 3 [E, N, K], got shape {c.shape}")
-    return pack_bits(c, bits)
-
-
-def unpack_qmoe(packed: npt.ArrayLike, bits: int) -> np.ndarray:
-    """Unpack QMoE raw weights ``[E, N, K / pack]`` into uint8 codes ``[E, N, K]``."""
-    bits = _check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
-    p = np.asarray(packed)
-    if p.ndim != 3:
-        raise ValueError(f"packed must have rank 3 [E, N, K/pack], got shape {p.shape}")
-    return unpack_bits(p, bits)
 
 
 def _round_codes(ratio: np.ndarray, bits: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -178,7 +90,7 @@ def quantize_symmetric(
     Returns:
         ``(packed uint8 [E, N, K / pack], scales)``.
     """
-    bits = _check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
+    bits = check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
     wf = np.asarray(w, dtype=np.float64)
     if wf.ndim != 3:
         raise ValueError(f"w must have rank 3 [E, N, K], got shape {wf.shape}")
@@ -189,7 +101,7 @@ def quantize_symmetric(
         scales = _symmetric_scales(np.abs(wf).max(axis=2, initial=0.0), bits, scale_dtype)
         ratio = wf / scales.astype(np.float64)[..., None]
     else:
-        block_size = _check_block_size(block_size)
+        block_size = check_block_size(block_size)
         if k % block_size:
             raise ValueError(f"block_size = {block_size} does not divide w's K = {k}")
         blocks = wf.reshape(e, n, k // block_size, block_size)
@@ -213,7 +125,7 @@ def dequantize_qmoe(
     ``None`` the scales are ``[E, N]``; otherwise ``[E, N, K / block_size]`` and ``block_size``
     must divide ``K``. The product is formed in float64 (exact) and rounded once to ``dtype``.
     """
-    bits = _check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
+    bits = check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
     p = np.asarray(packed)
     s = np.asarray(scales)
     if p.dtype != np.uint8:
@@ -230,7 +142,7 @@ def dequantize_qmoe(
             raise ValueError(f"column-wise scales must have shape [E, N] = {(e, n)}, got {s.shape}")
         out = codes * s.astype(np.float64)[..., None]
     else:
-        block_size = _check_block_size(block_size)
+        block_size = check_block_size(block_size)
         if k % block_size:
             raise ValueError(f"block_size = {block_size} does not divide K = {k}")
         nb = k // block_size
@@ -242,59 +154,6 @@ def dequantize_qmoe(
         out = codes.reshape(e, n, nb, block_size) * s.astype(np.float64)[..., None]
         out = out.reshape(e, n, k)
     return out.astype(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# MatMulNBits layout
-# ---------------------------------------------------------------------------------------------
-
-
-def _nbits_geometry(k: int, bits: int, block_size: int) -> tuple[int, int]:
-    if k <= 0:
-        raise ValueError(f"K must be positive, got {k}")
-    if (block_size * bits) % 8:
-        raise ValueError(f"block_size = {block_size} times bits = {bits} is not a whole byte count")
-    return -(-k // block_size), block_size * bits // 8
-
-
-def pack_matmul_nbits(codes: npt.ArrayLike, bits: int = 4, block_size: int = 32) -> np.ndarray:
-    """Pack codes ``[N, K]`` into MatMulNBits ``B [N, ceil(K / block_size), blob_size]`` uint8.
-
-    A last partial block is padded with the zero-point code (it dequantizes to 0).
-    """
-    bits = _check_bits(bits, MATMUL_NBITS_BITS)
-    block_size = _check_block_size(block_size)
-    c = np.asarray(codes)
-    if c.ndim != 2:
-        raise ValueError(f"codes must have rank 2 [N, K], got shape {c.shape}")
-    n, k = c.shape
-    kb, _ = _nbits_geometry(k, bits, block_size)
-    padded = np.full((n, kb * block_size), zero_point(bits), dtype=np.int64)
-    padded[:, :k] = c
-    return pack_bits(padded.reshape(n, kb, block_size), bits)
-
-
-def unpack_matmul_nbits(
-    packed: npt.ArrayLike,
-    K: int,  # the ONNX attribute name
-    bits: int = 4,
-    block_size: int = 32,
-) -> np.ndarray:
-    """Unpack MatMulNBits ``B [N, k_blocks, blob_size]`` into uint8 codes ``[N, K]``."""
-    bits = _check_bits(bits, MATMUL_NBITS_BITS)
-    block_size = _check_block_size(block_size)
-    p = np.asarray(packed)
-    if p.dtype != np.uint8:
-        raise ValueError(f"B must be uint8, got dtype {p.dtype}")
-    if p.ndim != 3:
-        raise ValueError(f"B must have rank 3 [N, k_blocks, blob_size], got shape {p.shape}")
-    kb, blob = _nbits_geometry(K, bits, block_size)
-    if p.shape[1:] != (kb, blob):
-        raise ValueError(
-            f"B must have shape [N, {kb}, {blob}] for K = {K}, bits = {bits}, "
-            f"block_size = {block_size}, got {p.shape}"
-        )
-    return unpack_bits(p, bits).reshape(p.shape[0], kb * block_size)[:, :K]
 
 
 def quantize_matmul_nbits(
@@ -310,13 +169,13 @@ def quantize_matmul_nbits(
     Returns ``B [N, k_blocks, blob_size]`` uint8 and ``scales [N, k_blocks]`` of
     ``scale_dtype`` (MatMulNBits wants the activation dtype: float16 for float16 ``A``).
     """
-    bits = _check_bits(bits, MATMUL_NBITS_BITS)
-    block_size = _check_block_size(block_size)
+    bits = check_bits(bits, MATMUL_NBITS_BITS)
+    block_size = check_block_size(block_size)
     wf = np.asarray(w, dtype=np.float64)
     if wf.ndim != 2:
         raise ValueError(f"w must have rank 2 [N, K], got shape {wf.shape}")
     n, k = wf.shape
-    kb, _ = _nbits_geometry(k, bits, block_size)
+    kb, _ = nbits_blocks(k, bits, block_size)
     padded = np.zeros((n, kb * block_size))
     padded[:, :k] = wf
     blocks = padded.reshape(n, kb, block_size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from onnxscript.rewriter import pattern
 
+from onnx_moe_fuse.contract.ops import MS_DOMAIN
 from onnx_moe_fuse.rewrites.canonical.spellings.common import (
     FLOAT_TYPES,
     SpellingRule,
@@ -29,8 +30,6 @@ from onnx_moe_fuse.rewrites.canonical.spellings.common import (
 )
 
 __all__ = ["QuickGeluToSigmoidMul", "SwishToSigmoidMul", "activation_rules"]
-
-MS_DOMAIN = "com.microsoft"
 
 
 class _ScaledSigmoidMul(SpellingRule):

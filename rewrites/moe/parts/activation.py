@@ -26,6 +26,7 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from onnx_moe_fuse.contract.ops import MS_DOMAIN
 from onnx_moe_fuse.rewrites.graph.facts import const_array, label, value_label
 from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match
 from onnx_moe_fuse.rewrites.moe.parts.facts import ActivationFact, failure, half_precision
@@ -34,7 +35,6 @@ __all__ = ["FAMILIES", "MS_DOMAIN", "identity_activation", "recognise_activation
 
 #: The activation families, in the order :func:`recognise_activation` tries them.
 FAMILIES = ("fused_gated", "gated", "elementwise")
-MS_DOMAIN = "com.microsoft"
 
 
 def _var(name: str, optional: bool = False) -> pattern.Var:

@@ -6,7 +6,8 @@
 block_size))``, the form the per-slot rules take once the experts are stacked. This module
 checks a node is of that kind (:func:`nbits_weight`, by attributes and shapes only: no data is
 loaded) and unpacks one node's codes, scales and zero points into DQ's K-major layout
-(:func:`nbits_dequantize_arrays`), using the project's MatMulNBits oracle for the packing.
+(:func:`nbits_dequantize_arrays`), with the contract's MatMulNBits layout
+(:mod:`onnx_moe_fuse.contract.packing`).
 No zero points means the symmetric point (8 for 4-bit, 128 for 8-bit), written out explicitly:
 a uint4/uint8 DequantizeLinear without zero point would mean 0.
 """
@@ -17,19 +18,19 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.contract.ops import MATMUL_NBITS, MS_DOMAIN
+from onnx_moe_fuse.contract.packing import unpack_bits, unpack_matmul_nbits, zero_point
 from onnx_moe_fuse.rewrites.graph.facts import attr_int
 from onnx_moe_fuse.rewrites.graph.tensor_reads import read_array
-from onnx_moe_fuse.verify.oracles.quant import unpack_bits, unpack_matmul_nbits, zero_point
 
 __all__ = ["MS_DOMAIN", "nbits_dequantize_arrays", "nbits_geometry", "nbits_is_supported"]
-
-MS_DOMAIN = "com.microsoft"
 
 
 def nbits_geometry(node: ir.Node) -> tuple[int, int, int, int] | None:
     """``(K, N, bits, block_size)`` of a MatMulNBits node, or None when not fixed."""
     k, n = attr_int(node, "K", None), attr_int(node, "N", None)
-    bits, block = attr_int(node, "bits", 4), attr_int(node, "block_size", None)
+    bits = attr_int(node, "bits", MATMUL_NBITS.default("bits"))
+    block = attr_int(node, "block_size", None)
     if None in (k, n, bits, block):
         return None
     return k, n, bits, block
@@ -51,8 +52,10 @@ def nbits_is_supported(node: ir.Node) -> bool:
     k, n, bits, block = geometry
     if bits not in (4, 8) or block < 16 or block & (block - 1):
         return False
-    ins = list(node.inputs) + [None] * (6 - len(node.inputs))
-    b, scales, zp, g_idx = ins[1], ins[2], ins[3], ins[4]
+    if len(node.inputs) > len(MATMUL_NBITS.inputs):
+        return False  # not a MatMulNBits ORT could load
+    ins = MATMUL_NBITS.named_inputs(list(node.inputs))
+    b, scales, zp, g_idx = ins["B"], ins["scales"], ins["zero_points"], ins["g_idx"]
     if not (_initializer(b) and _initializer(scales)) or g_idx is not None:
         return False
     k_blocks = -(-k // block)
@@ -80,9 +83,10 @@ def nbits_dequantize_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.n
     """
     k, n, bits, block = nbits_geometry(node)
     k_blocks = -(-k // block)
-    codes = unpack_matmul_nbits(read_array(node.inputs[1].const_value), k, bits, block)
-    scales = node.inputs[2].const_value.numpy().reshape(n, k_blocks)
-    zp_value = node.inputs[3] if len(node.inputs) > 3 else None
+    ins = MATMUL_NBITS.named_inputs(list(node.inputs))
+    codes = unpack_matmul_nbits(read_array(ins["B"].const_value), k, bits, block)
+    scales = ins["scales"].const_value.numpy().reshape(n, k_blocks)
+    zp_value = ins["zero_points"]
     if zp_value is None:
         zp = np.full((n, k_blocks), zero_point(bits), dtype=np.uint8)
     else:
