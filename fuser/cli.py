@@ -216,7 +216,7 @@ def _check_paths(args: argparse.Namespace, input_path: Path | None) -> None:
 
 
 def _needs_adapter() -> int | None:
-    from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
+    from onnx_moe_fuse.kernels import NoAdapterError, default_device
 
     try:
         default_device()
@@ -321,7 +321,7 @@ def _fuse_streaming(
 
 
 def _self_check(args: argparse.Namespace) -> int:
-    from onnx_moe_fuse.kernels.device import NoAdapterError, default_device
+    from onnx_moe_fuse.kernels import NoAdapterError, default_device
     from onnx_moe_fuse.verify.selfcheck import print_self_check, run_self_check
 
     try:
@@ -334,7 +334,7 @@ def _self_check(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_adapters:
-        from onnx_moe_fuse.kernels.device import list_adapters
+        from onnx_moe_fuse.kernels import list_adapters
 
         for kind, description in list_adapters():
             print(f"{kind:<11} {description}")

@@ -61,8 +61,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from onnx_moe_fuse.contract.ops import MS_DOMAIN
-from onnx_moe_fuse.kernels.planner import KernelCallError
-from onnx_moe_fuse.kernels.runtime import get_kernel
+from onnx_moe_fuse.kernels import KernelCallError, get_kernel
 from onnx_moe_fuse.verify.kernel_specs import (
     GROUPED_MATMUL,
     KERNEL_OPS,

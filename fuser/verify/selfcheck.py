@@ -97,9 +97,7 @@ def _check_case(
 
 def run_self_check(seed: int | None = None) -> list[CheckResult]:
     """Run every test.json case of every kernel package that has an oracle."""
-    from onnx_moe_fuse.kernels.cases import load_cases
-    from onnx_moe_fuse.kernels.manifest import load_manifest
-    from onnx_moe_fuse.kernels.runtime import get_kernel, package_folders
+    from onnx_moe_fuse.kernels import get_kernel, load_cases, load_manifest, package_folders
 
     seed = secrets.randbits(32) if seed is None else seed
     rng = np.random.default_rng(seed)
