@@ -17,11 +17,11 @@ from onnx import helper
 
 from onnx_moe_fuse import fuse
 from onnx_moe_fuse.pipeline.splice import (
-    SpliceRefusal,
     origin_tail,
     splice_fused_node,
     tag_origin,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.samples import get_sample
 from onnx_moe_fuse.verify.ort_nodes import session
 from onnx_moe_fuse.verify.reference import random_feeds, run_reference
@@ -129,8 +129,9 @@ def test_splice_refuses_a_region_that_reads_a_graph_input() -> None:
     fake = ir.Node("com.microsoft", "MoE", [logits], num_outputs=1, name="fake")
     work.graph.append(fake)
     before = ir.serde.serialize_model(model).SerializeToString()
-    with pytest.raises(SpliceRefusal, match="graph input"):
+    with pytest.raises(Refusal, match="graph input") as info:
         splice_fused_node(model, fake, "y")
+    assert info.value.part == "region" and info.value.value.name == "x"
     assert ir.serde.serialize_model(model).SerializeToString() == before
 
 
@@ -142,7 +143,7 @@ def test_a_failing_canonicalisation_pass_is_skipped_and_reported(monkeypatch) ->
 
     import onnx_moe_fuse.pipeline.canonicalise as canon
 
-    monkeypatch.setattr(canon, "canonicalisation_passes", lambda: [Broken()])
+    monkeypatch.setattr(canon, "canonicalisation_passes", lambda refusals=None: [Broken()])
     s = get_sample(SAMPLE)
     result = fuse(s.model)
     assert [f["op"] for f in result.report.fusions] == ["MoE"]
@@ -192,7 +193,7 @@ def test_splice_refuses_a_kept_shape_of_a_replaced_value() -> None:
     model, work, fake = _toy_layer()
     work.graph.append(fake)
     before = ir.serde.serialize_model(model).SerializeToString()
-    with pytest.raises(SpliceRefusal, match="reads 'h', which the fused node replaces"):
+    with pytest.raises(Refusal, match="reads 'h', which the fused node replaces"):
         splice_fused_node(model, fake, "y")
     assert ir.serde.serialize_model(model).SerializeToString() == before
 
