@@ -38,12 +38,12 @@ class FusionReport:
     each a :class:`~onnx_moe_fuse.rewrites.graph.refusals.NearMiss` record serialised
     (:meth:`add_near_miss`): ``part`` is the layer part at fault (one of ``tokens, routing,
     fc1, activation, fc2, combine, weights, target, region``, or ``attention prelude``; None
-    when no rule matched), ``node`` the node or value
-    the reason is about, ``root`` the node whose output the layer would have replaced (its
-    combine), ``topk`` and ``router`` the routing TopK and the Softmax/Sigmoid before it (None
-    when unknown), ``values`` every value or node the failing check names. Unnamed nodes are
-    written ``OpType(first output)``. Nodes are named as in the canonicalised working copy,
-    which keeps the model's names for every node it did not rewrite.
+    when no rule matched), ``node`` the node or value the reason is about, ``root`` the node
+    whose output the layer would have replaced (its combine), ``topk`` and ``router`` the
+    routing TopK and the Softmax/Sigmoid before it (None when unknown), ``values`` every value
+    or node the failing check names. Unnamed nodes are written ``OpType(first output)``. Nodes
+    are named as in the canonicalised working copy, which keeps the model's names for every
+    node it did not rewrite.
     ``canonicalisation``: one line per canonicalisation pass that failed on the working copy
     and was skipped (canonicalisation never changes the model itself).
     ``target``: the runtime the fused nodes were written for (one of

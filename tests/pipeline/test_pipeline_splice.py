@@ -150,6 +150,35 @@ def test_a_failing_canonicalisation_pass_is_skipped_and_reported(monkeypatch) ->
     assert any("Broken" in line and "boom" in line for line in result.report.canonicalisation)
 
 
+def test_recorded_refusals_are_those_of_the_last_canonicalisation_run(monkeypatch) -> None:
+    """A pass that fails makes the sequence re-run on a fresh copy: earlier records are dropped."""
+
+    class Records(ir.passes.InPlacePass):
+        def __init__(self, refusals) -> None:
+            super().__init__()
+            self.refusals = refusals
+
+        def call(self, model):  # noqa: D102
+            topk = next(n for n in model.graph if n.op_type == "TopK")
+            self.refusals.append(Refusal("left as it was").recorded_by("expert-loop", topk))
+            return ir.passes.PassResult(model, modified=False)
+
+    class Broken(ir.passes.InPlacePass):
+        def call(self, model):  # noqa: D102
+            raise RuntimeError("boom")
+
+    import onnx_moe_fuse.pipeline.canonicalise as canon
+
+    monkeypatch.setattr(
+        canon, "canonicalisation_passes", lambda refusals=None: [Records(refusals), Broken()]
+    )
+    work = ir.serde.deserialize_model(get_sample(SAMPLE).model)
+    refusals: list[Refusal] = []
+    assert len(canon.canonicalise(work, refusals)) == 1
+    [refusal] = refusals  # the first run's record named a node of the graph it dropped
+    assert refusal.topk.graph is work.graph and refusal.stage == "expert-loop"
+
+
 def test_fused_model_keeps_every_node_outside_the_region() -> None:
     """Nodes downstream of the layer output read the fused node; results match the original."""
     s = get_sample(SAMPLE)

@@ -13,8 +13,8 @@ Families (each a few small patterns rooted at the activation's output)::
 
 The identity (FC2 reads FC1 directly) is no pattern: the layer recogniser takes it when the
 activation is itself an FC1 projection. :func:`recognise_activation` returns an
-:class:`~.facts.ActivationFact` or raises a
-:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` of part ``activation``, naming what it found (a Sigmoid that reads the up projection instead of the
+:class:`~.facts.ActivationFact` or raises a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`
+of part ``activation``, naming what it found (a Sigmoid that reads the up projection instead of the
 gate, for instance). The constants (clamp limits, alpha, beta, the cut columns) are proved by the
 layer proof.
 """

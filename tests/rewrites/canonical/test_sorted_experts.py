@@ -1,18 +1,18 @@
 """Tests of ``CanonicalSortedExpertsPass``: grouped_mm (sorted rows) experts -> GroupedMatMul.
 
-On the exported ``mixtral_grouped_mm`` sample: the pass writes the per-slot form, keeps the
-boundary names, leaves the original model's bytes alone, keeps the numbers (ORT CPU, with
-GroupedMatMul decomposed into the Gather/MatMul form ORT runs), and ``fuse`` then fuses one MoE
-matching the stored PyTorch output. Negative tests break one link of the proof in the sample
-(an un-sort by another permutation, bin edges, expert order, a non-row-wise activation) and
-check the block comes out byte-identical with a reason. The causal-LM exports in
-``sample_models/exported/causal_lm`` (whole models, several families, dynamic and static shapes)
-fuse every layer their metadata expects through ``fuse`` and match PyTorch; float16 exports fuse
-nothing and are refused naming the dtype. The static export's folded un-sort constants are
-broken one at a time (not ``arange``, a longer blank, slots of another token count) and stay
-refused. The pass records each refusal, as it runs, for the routing TopK whose ids it sorts. A hypothesis property builds
-random hand-written blocks (:mod:`sorted_models`: sizes, activation, biases, weight layout,
-floor-divide, weighting and un-sort spellings) and checks the numbers.
+On the exported ``mixtral_grouped_mm`` sample: the pass writes the per-slot form, keeps the boundary
+names, leaves the original model's bytes alone, keeps the numbers (ORT CPU, with GroupedMatMul
+decomposed into the Gather/MatMul form ORT runs), and ``fuse`` then fuses one MoE matching the
+stored PyTorch output. Negative tests break one link of the proof in the sample (an un-sort by
+another permutation, bin edges, expert order, a non-row-wise activation) and check the block comes
+out byte-identical with a reason. The causal-LM exports in ``sample_models/exported/causal_lm``
+(whole models, several families, dynamic and static shapes) fuse every layer their metadata expects
+through ``fuse`` and match PyTorch; float16 exports fuse nothing and are refused naming the dtype.
+The static export's folded un-sort constants are broken one at a time (not ``arange``, a longer
+blank, slots of another token count) and stay refused. The pass records each refusal, as it runs,
+for the routing TopK whose ids it sorts. A hypothesis property builds random hand-written blocks
+(:mod:`sorted_models`: sizes, activation, biases, weight layout, floor-divide, weighting and un-sort
+spellings) and checks the numbers.
 """
 
 from __future__ import annotations

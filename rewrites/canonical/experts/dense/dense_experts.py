@@ -36,15 +36,15 @@ stacked, :mod:`.dense_stack`) only for a layer that is rewritten, and before any
 unreadable tensor leaves the layer as it was. Constants are read without the naming side effect
 of ``onnx_ir.convenience.get_const_tensor`` (:mod:`.dense_consts`).
 
-The values at the layer's boundary keep their names (the tokens, router logits, TopK outputs,
-the routing weights, and the layer output, which the new ReduceSum takes over), so the
-pipeline's splice finds the layer in the original graph. New values get fresh names. Where a
-proof fails the block stays exactly as it was, and the pass records why as it runs (into
+The values at the layer's boundary keep their names (the tokens, router logits, TopK outputs, the
+routing weights, and the layer output, which the new ReduceSum takes over), so the pipeline's splice
+finds the layer in the original graph. New values get fresh names. Where a proof fails the block
+stays exactly as it was, and the pass records why as it runs (into
 ``CanonicalDenseExpertsPass.refusals``: a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`
-naming the part (``routing``, ``combine``, ``fc1``, ``activation``, ``fc2``, ``region``) and
-the node), which the fuser's near miss carries (the layer is recognised from its mask, so a
-router over other rows or weights that are graph inputs are named as such, not as an unknown
-spelling); :func:`dense_experts_refusals` lists every such reason of a model. The default opset becomes 29
+naming the part (``routing``, ``combine``, ``fc1``, ``activation``, ``fc2``, ``region``) and the
+node), which the fuser's near miss carries (the layer is recognised from its mask, so a router over
+other rows or weights that are graph inputs are named as such, not as an unknown spelling);
+:func:`dense_experts_refusals` lists every such reason of a model. The default opset becomes 29
 (GroupedMatMul) when a layer is rewritten: the working copy is never executed.
 """
 

@@ -13,7 +13,8 @@ a loop iteration reads
   Unsqueeze(s_e, -1)))``.
 
 :func:`read_rows` and :func:`read_weight` prove one of these and return what they read, or raise
-:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the expert and the node. Only reads the graph.
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the expert and the node. Only reads
+the graph.
 """
 
 from __future__ import annotations

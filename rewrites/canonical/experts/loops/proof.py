@@ -266,7 +266,7 @@ def _check_escapes(mask: Mask, nodes: set[int], layer_out: ir.Value) -> None:
 
 
 def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
-    """Prove the loop over the experts masked by ``topk``'s ids; raise :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`."""
+    """Prove the loop over the experts masked by ``topk``'s ids; raise a ``Refusal`` otherwise."""
     k = _routing(topk, mask)
 
     def hidden_of(mlp: ExpertMLP) -> int:

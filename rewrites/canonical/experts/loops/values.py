@@ -1,9 +1,10 @@
 """Value-level proofs for the expert-loop pass: the mask, each expert's NonZero coordinates, shapes.
 
-A loop over all experts (optimum-onnx's patched Qwen3-MoE / Mixtral forwards, traced) starts
-from a one-hot mask of the routing TopK's ids, transposed to ``[E, k, T]``, and takes each
-expert's slice ``m_e [k, T]`` apart with ``NonZero``. Each helper here recognises one such piece
-and says what it holds, or raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the node when it cannot prove it:
+A loop over all experts (optimum-onnx's patched Qwen3-MoE / Mixtral forwards, traced) starts from a
+one-hot mask of the routing TopK's ids, transposed to ``[E, k, T]``, and takes each expert's slice
+``m_e [k, T]`` apart with ``NonZero``. Each helper here recognises one such piece and says what it
+holds, or raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the node when it
+cannot prove it:
 
 * :func:`read_mask` - ``Transpose(OneHot(ids, E, [0, on]), [2, 1, 0])`` or
   ``Transpose(Cast(Equal(Unsqueeze(ids, -1), arange(E))), [2, 1, 0])``: ``M[e, s, t]`` is

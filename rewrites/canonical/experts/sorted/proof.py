@@ -28,9 +28,10 @@ transformers' ``grouped_mm`` experts, exported, compute for ``N = T*k`` routed r
 * the un-sort uses the inverse of the same ``perm``: a ``ScatterND(_, perm, arange)`` inverse, or
   ``ScatterND(_, perm, rows)``; the routing weights are gathered with the same ``perm``.
 
-Range/ScatterND lengths are not proved equal to ``N``: a model in which they differ fails in
-ONNX Runtime (ScatterND's updates must match its indices), so on any model that runs they agree.
-Only reads the graph; a failed proof raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with the reason.
+Range/ScatterND lengths are not proved equal to ``N``: a model in which they differ fails in ONNX
+Runtime (ScatterND's updates must match its indices), so on any model that runs they agree. Only
+reads the graph; a failed proof raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with
+the reason.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
 
 
 def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
-    """Prove the block whose argsort is ``sort``; raise :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` otherwise."""
+    """Prove the block whose argsort is ``sort``; raise a ``Refusal`` otherwise."""
     flat, ids, k, num_experts = _check_sort(sort)
     sorted_ids, perm = sort.outputs
     tokens, rows = _sorted_tokens(perm, k, ids)

@@ -2,11 +2,11 @@
 
 In the grouped_mm form each expert's rows are one contiguous segment of the sorted rows:
 ``Range(ends[e-1], ends[e], 1)`` with ``ends = CumSum(counts)`` and ``counts`` a histogram of the
-ids. :func:`check_offsets` proves ``ends`` are the cumulated per-expert counts;
-:func:`projection` proves ``Concat_e(Gather(rows, segment e) @ W[e])`` with ``W[e]`` the ``e``-th
-slice of one stacked constant, and returns that constant. Both raise
-:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with the reason when they cannot prove it; they only read
-the graph.
+ids. :func:`check_offsets` proves ``ends`` are the cumulated per-expert counts; :func:`projection`
+proves ``Concat_e(Gather(rows, segment e) @ W[e])`` with ``W[e]`` the ``e``-th slice of one stacked
+constant, and returns that constant. Both raise
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with the reason when they cannot prove it;
+they only read the graph.
 """
 
 from __future__ import annotations
