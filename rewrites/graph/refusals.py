@@ -150,11 +150,21 @@ class Refusal(_basics.MatchFailureError):
         :func:`refusal_of`.
         """
         match = _basics.MatchResult() if match is None else match
-        return match.fail(_Reason(self.message(), self), list(self.failure_sources))
+        return match.fail(_Reason(self.message(), self._kept()), list(self.failure_sources))
 
     def recorded_by(self, stage: str, topk: ir.Node | None) -> Refusal:
         """Mark this refusal as ``stage``'s, about the layer routed by ``topk``; return it."""
         self.stage, self.topk = stage, topk
+        return self._kept()
+
+    def _kept(self) -> Refusal:
+        """This refusal without its traceback and chained exceptions, to be kept.
+
+        A kept exception keeps the frames it was raised through alive, and their locals hold
+        what the proof read (a layer's weight arrays): a tracer that keeps every refusal would
+        keep every layer's weights.
+        """
+        self.__traceback__ = self.__context__ = self.__cause__ = None
         return self
 
 

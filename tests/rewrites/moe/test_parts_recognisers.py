@@ -368,6 +368,21 @@ def test_a_failed_match_carries_its_refusal_and_reads_part_reason() -> None:
     ]
 
 
+def test_a_kept_refusal_keeps_no_frames() -> None:
+    """A tracer keeps every refusal: a kept one must not keep the proof's locals (weights)."""
+    x = layer().graph.inputs[0]
+    try:
+        try:
+            raise ValueError("inner")
+        except ValueError:
+            raise Refusal("outer", x) from None
+    except Refusal as caught:
+        refusal = caught
+    assert refusal.__traceback__ is not None and refusal.__context__ is not None
+    refusal_of(refusal.fail())
+    assert refusal.__traceback__ is None and refusal.__context__ is None
+
+
 def test_model_stays_valid_after_recognition() -> None:
     """Recognition only reads the graph."""
     model = layer()
