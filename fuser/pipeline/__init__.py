@@ -24,11 +24,13 @@ A model in which nothing fused comes out of the pipeline unchanged: the clean-up
 when the report holds a fusion.
 
 Near misses come from a dry run of the same rules with a tracer
-(:class:`NearMissTracer`): every match whose ``check`` failed is recorded with the reason, and so
-is a whole-pattern match that the rewriter refused because an intermediate value escapes the layer
-(with the escaping value named). A TopK whose indices feed expert selections but that no rule
-matched at all is reported too, as "not recognised", saying which known unfused form it is when
-it can tell: a sort of the ids (grouped_mm exports) or a one-hot mask (a loop over experts).
+(:class:`NearMissTracer`): every match whose ``check`` failed is recorded with its typed refusal
+(:mod:`onnx_moe_fuse.rewrites.graph.refusals`: one ``Refusal`` type, one ``NearMiss`` record),
+and so is a whole-pattern match that the rewriter refused because an intermediate value escapes
+the layer (with the escaping value named). A TopK whose indices feed expert selections but that
+no rule matched at all is reported too, as "not recognised", saying which known unfused form it
+is when it can tell: a sort of the ids (grouped_mm exports) or a one-hot mask (a loop over
+experts), with the refusal the canonicalisation pass recorded for it while it ran.
 A router MoE/QMoE cannot express (sigmoid scores, a selection bias, a group-limited top-k, a
 scaling factor, PhiMoE's sparse mixer: :mod:`onnx_moe_fuse.rewrites.moe.routers`) is reported as
 "router not fusable", naming its form, once per router, with the scores node as ``router``.

@@ -11,22 +11,26 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.pipeline.splice import ORIGIN_KEY
 from onnx_moe_fuse.rewrites.canonical.passes import canonicalisation_passes
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = ["canonicalise"]
 
 
-def canonicalise(work: ir.Model) -> list[str]:
+def canonicalise(work: ir.Model, refusals: list[Refusal] | None = None) -> list[str]:
     """Canonicalise ``work`` in place; return one line per pass that failed and was skipped.
 
     A failing pass may have half-rewritten the graph, so the whole sequence is re-run on a
     fresh state: the passes that had succeeded run again on a new clone taken before any of
-    them, which the caller's model then takes over.
+    them, which the caller's model then takes over. ``refusals`` receives the passes' records
+    of the layers they left as they were (of the final run only: the others' graphs are gone).
     """
+    if refusals is None:
+        refusals = []
     pristine = work.clone()
     _copy_origin(work.graph, pristine.graph, ORIGIN_KEY)
     skipped: list[str] = []
     failed: set[int] = set()
-    passes = canonicalisation_passes()
+    passes = canonicalisation_passes(refusals)
     while True:
         try:
             for i, p in enumerate(passes):
@@ -44,7 +48,8 @@ def canonicalise(work: ir.Model) -> list[str]:
             fresh = pristine.clone()
             _copy_origin(pristine.graph, fresh.graph, ORIGIN_KEY)
             _adopt(work, fresh)
-            passes = canonicalisation_passes()
+            refusals.clear()  # they name nodes of the graph just dropped
+            passes = canonicalisation_passes(refusals)
 
 
 def _copy_origin(src: ir.Graph, dst: ir.Graph, key: str) -> None:

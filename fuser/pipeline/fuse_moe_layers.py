@@ -23,16 +23,13 @@ from onnx_moe_fuse.pipeline.common import (
 from onnx_moe_fuse.pipeline.near_misses import (
     GENERIC_UNRECOGNISED,
     NearMissTracer,
-    recognised_dense,
-    unrecognised_reason,
+    dense_near_miss,
+    unrecognised,
 )
-from onnx_moe_fuse.pipeline.report import (
-    FusionReport,
-    near_miss,
-    split_part,
-)
-from onnx_moe_fuse.pipeline.splice import SpliceRefusal, origin_tail, splice_fused_node, tag_origin
+from onnx_moe_fuse.pipeline.report import FusionReport
+from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_origin
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     FUSED_OPS,
@@ -136,9 +133,12 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         tensor_names = shared_tensor_names(model.graph)
         work = model.clone()
         tag_origin(work.graph)
-        self.report.canonicalisation.extend(canonicalise(work))
+        # the canonical passes record why they left a layer while they run; the near misses
+        # read those records instead of analysing the layer again
+        refusals: list[Refusal] = []
+        self.report.canonicalisation.extend(canonicalise(work, refusals))
 
-        tracer = NearMissTracer()
+        tracer = NearMissTracer(refusals)
         moe_layer_rule_set(self.emit, probe=True, splice=True).apply_to_model(work, tracer=tracer)
         rules = moe_layer_rule_set(self.emit, splice=True, weight_sink=self.weight_sink)
         rules.apply_to_model(work)
@@ -151,8 +151,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             fused_topks.add(node.metadata_props.get(TOPK_KEY, ""))
             reason = _target_refusal(node, self.target)
             if reason is not None:
-                self.report.near_misses.append(
-                    near_miss(
+                self.report.add_near_miss(
+                    NearMiss(
                         rule=rule_name(node),
                         part="target",
                         node=layer_out,
@@ -160,7 +160,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                         root=layer_out,
                         topk=label(_producer_of(work.graph, node.metadata_props.get(TOPK_KEY))),
                         router=None,
-                        values=[],
+                        values=(),
                     )
                 )
                 continue
@@ -169,17 +169,15 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             last, replaces = origin_tail(node, layer_out, model.graph)
             try:
                 result = splice_fused_node(model, node, replaces, last=last)
-            except SpliceRefusal as refusal:
-                self.report.near_misses.append(
-                    near_miss(
+            except Refusal as refusal:  # the splice's, of part region, naming a model value
+                name = refusal.value.name if refusal.value is not None else None
+                self.report.add_near_miss(
+                    NearMiss.of(
+                        refusal,
                         rule=rule_name(node),
-                        part="region",
-                        node=refusal.value or layer_out,
-                        reason=refusal.reason,
+                        values=[name] if name else [],
+                        node=layer_out,
                         root=layer_out,
-                        topk=None,
-                        router=None,
-                        values=[refusal.value] if refusal.value else [],
                     )
                 )
                 continue
@@ -197,14 +195,19 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             )
             for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
                 result.node.metadata_props.pop(key, None)
-        self._near_misses(tracer, work, fused_roots, fused_topks)
+        self._near_misses(tracer, work, refusals, fused_roots, fused_topks)
         for tensor, name in tensor_names:
             if tensor.name != name:
                 tensor.name = name
         return ir.passes.PassResult(model, modified=spliced > 0)
 
     def _near_misses(
-        self, tracer: NearMissTracer, work: ir.Model, fused: set[str], fused_topks: set[str]
+        self,
+        tracer: NearMissTracer,
+        work: ir.Model,
+        refusals: list[Refusal],
+        fused: set[str],
+        fused_topks: set[str],
     ) -> None:
         """Record the refused matches of layers that did not fuse, and unmatched routers."""
         seen: set[tuple[int, str]] = set()
@@ -214,44 +217,31 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             topk_out = a.topk.outputs[0].name if a.topk is not None else None
             if a.root.graph is None or root_out in fused or topk_out in fused_topks:
                 continue  # the layer fused after all
-            key = (id(a.root), a.reason)
+            key = (id(a.root), a.refusal.message())
             if key in seen:
                 continue
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
-            part, reason = split_part(a.reason)
-            self.report.near_misses.append(
-                near_miss(
-                    rule=a.rule,
-                    part=part,
-                    node=a.values[0] if a.values else label(a.root),
-                    reason=reason,
-                    root=label(a.root),
-                    topk=label(a.topk),
-                    router=label(a.router),
-                    values=a.values,
-                )
-            )
+            self.report.add_near_miss(a.near_miss())
         routers: set[int] = set()
-        diagnosis: dict[str, str] | None = None  # made once, for the first split combine
+        diagnosis: dict[str, NearMiss] | None = None  # made once, for the first split combine
         for node in work.graph:
             if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
                 continue
             if node.outputs[0].name in fused_topks:
                 continue
-            reason = unrecognised_reason(node)
-            dense = recognised_dense(node, reason)
-            part = dense.part if dense is not None else None
+            reason, dense = unrecognised(node, refusals)
+            part = None
             if dense is not None:
                 reason = dense.reason  # the pass recognised the layer: its refusal names the part
             elif reason == GENERIC_UNRECOGNISED:
                 if diagnosis is None:
-                    diagnosis = split_rows_diagnosis(work, self.emit)
+                    diagnosis = split_rows_diagnosis(work, self.emit, refusals)
                 behind = diagnosis.get(node.outputs[0].name or "")
                 if behind is not None:  # the split was not proved: the rules say what else
-                    part = split_part(behind)[0] or "combine"
-                    reason = f"{SPLIT_UNPROVED}; with the split moved out, {behind}"
+                    part = behind.part or "combine"
+                    reason = f"{SPLIT_UNPROVED}; with the split moved out, {behind.message}"
             if reason is not None:
                 # the Softmax/Sigmoid of the router (before or after the TopK), else what it reads
                 router = classify_router(node).scores
@@ -260,16 +250,19 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 if reason.startswith("router not fusable") and id(router) in routers:
                     continue  # one near miss per router: PhiMoE's two rounds read one router
                 routers.add(id(router))
-                self.report.near_misses.append(
-                    near_miss(
+                if dense is not None:
+                    self.report.add_near_miss(dense_near_miss(node, dense, router))
+                    continue
+                self.report.add_near_miss(
+                    NearMiss(
                         rule=None,
                         part=part,
-                        node=dense.node if dense is not None else label(node),
+                        node=label(node),
                         reason=reason,
                         root=None,
                         topk=label(node),
                         router=label(router),
-                        values=list(dense.values) if dense is not None else [],
+                        values=(),
                     )
                 )
 

@@ -25,9 +25,9 @@ from onnx_moe_fuse.pipeline.fuse_moe_layers import (
 )
 from onnx_moe_fuse.pipeline.report import (
     FusionReport,
-    near_miss,
     report_fusions,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     REPLACED_KEY,
@@ -82,18 +82,7 @@ class FuseQkvPass(ir.passes.InPlacePass):
             _restore_untyped(untyped)
             self._refuse_for_target(model, reason)
         for miss in misses:
-            self.report.near_misses.append(
-                near_miss(
-                    rule=miss.rule,
-                    part="attention prelude",
-                    node=miss.values[0] if miss.values else miss.root,
-                    reason=miss.reason,
-                    root=miss.root,
-                    topk=None,
-                    router=None,
-                    values=list(miss.values),
-                )
-            )
+            self.report.add_near_miss(miss)
         return ir.passes.PassResult(model, modified=count > 0)
 
     def _refuse_for_target(self, model: ir.Model, reason: str) -> None:
@@ -105,8 +94,8 @@ class FuseQkvPass(ir.passes.InPlacePass):
             if node.op_type != qkv.FUSED_OP:
                 continue
             replaced = json.loads(node.metadata_props[REPLACED_KEY])
-            self.report.near_misses.append(
-                near_miss(
+            self.report.add_near_miss(
+                NearMiss(
                     rule=rule_name(node),
                     part="target",
                     node=replaced[0] if replaced else label(node),
@@ -114,7 +103,7 @@ class FuseQkvPass(ir.passes.InPlacePass):
                     root=replaced[0] if replaced else label(node),
                     topk=None,
                     router=None,
-                    values=list(replaced),
+                    values=tuple(replaced),
                 )
             )
         for tensor, name in tensor_names:

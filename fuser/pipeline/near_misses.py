@@ -1,15 +1,18 @@
-"""Why a layer did not fuse: the dry-run tracer, and the reasons for TopKs no rule matched.
+"""Why a layer did not fuse: the dry run's tracer, and the reasons for TopKs no rule matched.
 
-:class:`NearMissTracer` records every match whose ``check`` failed (with the part, node and
-reason) and every whole-pattern match the rewriter refused because a value escapes.
-:func:`_unrecognised_reason` names the known unfused form around a TopK no rule matched: a sort
-of the ids (grouped_mm), a one-hot mask (an expert loop or the dense form), scattered dense
-weights, float16 routing; the canonical passes' own refusals are appended where they have one.
+:class:`NearMissTracer` keeps every match whose ``check`` failed, with the rules' own typed
+refusal (:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`, read back from the failed
+match), and every whole-pattern match the rewriter refused because a value escapes; a refusal
+that defers to a canonicalisation pass (a dense layer the dense-experts pass left) is replaced
+by the refusal that pass recorded while it ran. :func:`unrecognised` names the known unfused
+form around a TopK no rule matched: a sort of the ids (grouped_mm), a one-hot mask (an expert
+loop or the dense form), scattered dense weights, float16 routing; the canonical passes'
+recorded refusals are appended where they have one. Nothing here re-runs a pass's analysis.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -19,12 +22,17 @@ from onnx_moe_fuse.pipeline.common import (
     label,
     source_label,
 )
-from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import (
-    DenseRefusal,
-    dense_refusal_for,
+from onnx_moe_fuse.rewrites.graph.facts import value_label
+from onnx_moe_fuse.rewrites.graph.refusals import (
+    DENSE_EXPERTS,
+    EXPERT_LOOP,
+    SORTED_EXPERTS,
+    NearMiss,
+    Refusal,
+    RefusalTracer,
+    recorded,
+    refusal_of,
 )
-from onnx_moe_fuse.rewrites.canonical.experts.loops.expert_loop import loop_refusal_for
-from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import sorted_refusal_for
 from onnx_moe_fuse.rewrites.moe.routers import router_near_miss
 
 # onnxscript's matcher refuses a whole-pattern match whose nodes feed values outside the pattern
@@ -32,14 +40,32 @@ from onnx_moe_fuse.rewrites.moe.routers import router_near_miss
 _ESCAPE_REASON = "Matched nodes have other uses preventing replacement."
 
 
-@dataclass
-class _Attempt:
+@dataclass(frozen=True)
+class Attempt:
+    """One refused match of a layer rule: the rule, the combine it anchored at, the refusal.
+
+    ``topk``, ``router``: the routing TopK and the Softmax/Sigmoid before it, from the match;
+    ``values``: the nodes and values the refusal names, labelled when the match was logged.
+    """
+
     rule: str
     root: ir.Node
-    reason: str
+    refusal: Refusal
     topk: ir.Node | None
     router: ir.Node | None
-    values: list[str]
+    values: tuple[str, ...]
+
+    def near_miss(self) -> NearMiss:
+        """The report's record of this attempt."""
+        return NearMiss.of(
+            self.refusal,
+            rule=self.rule,
+            values=self.values,
+            node=label(self.root),
+            root=label(self.root),
+            topk=label(self.topk),
+            router=label(self.router),
+        )
 
 
 def _escape_reason(nodes: Iterable[ir.Node], root: ir.Node) -> tuple[str, list[str]]:
@@ -64,13 +90,19 @@ def _escape_reason(nodes: Iterable[ir.Node], root: ir.Node) -> tuple[str, list[s
     return "an intermediate value of the layer is used outside it", []
 
 
-class NearMissTracer(pattern.MatchingTracer):
-    """A tracer that keeps every refused whole-layer match (the base keeps only the best)."""
+class NearMissTracer(RefusalTracer):
+    """A tracer that keeps every refused whole-layer match as an :class:`Attempt`.
 
-    def __init__(self) -> None:
+    ``refusals``: what the canonicalisation passes recorded while they ran; a rule's refusal
+    that defers to one of them (``Refusal.defer``) is replaced by the one recorded for its
+    TopK, where that names a part.
+    """
+
+    def __init__(self, refusals: Sequence[Refusal] = ()) -> None:
         """Start with no attempts."""
         super().__init__()
-        self.attempts: list[_Attempt] = []
+        self.refusals = refusals
+        self.attempts: list[Attempt] = []
         self.successes: set[int] = set()
 
     def log(self, rule, container, node, match_result, status) -> None:  # noqa: D102
@@ -92,11 +124,24 @@ class NearMissTracer(pattern.MatchingTracer):
         if isinstance(scores, ir.Value) and scores.producer() is not None:
             if scores.producer().op_type in ("Softmax", "Sigmoid"):
                 router = scores.producer()
+        sources = match_result.failure_nodes_and_values
         if escape:
             reason, names = _escape_reason(match_result.nodes, node)
+            refusal = Refusal(reason)
         else:
-            names = [source_label(s) for s in match_result.failure_nodes_and_values]
-        self.attempts.append(_Attempt(str(rule), node, reason, topk, router, names))
+            refusal = refusal_of(match_result) or Refusal(reason, *sources)
+            deferred = self._deferred(refusal)
+            if deferred is not None:
+                refusal, sources = deferred, deferred.failure_sources
+            names = [source_label(s) for s in sources]
+        self.attempts.append(Attempt(str(rule), node, refusal, topk, router, tuple(names)))
+
+    def _deferred(self, refusal: Refusal) -> Refusal | None:
+        """The recorded refusal ``refusal`` defers to, where there is one naming a part."""
+        if refusal.defer is None or refusal.topk is None:
+            return None
+        found = recorded(self.refusals, refusal.defer, refusal.topk)
+        return found if found is not None and found.part is not None else None
 
 
 _SHAPE_ONLY = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast")
@@ -198,15 +243,51 @@ def _half_precision_near(topk: ir.Node, depth: int = 6) -> set[str]:
     return found
 
 
-def unrecognised_reason(topk: ir.Node) -> str | None:
-    """Why a TopK / ArgMax whose ids select experts matched no rule (None: they select nothing).
+def unrecognised(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[str | None, Refusal | None]:
+    """Why a TopK / ArgMax whose ids select experts matched no rule, and a better refusal.
+
+    The reason is None when the ids select nothing. The refusal is the dense-experts pass's,
+    recorded in ``refusals`` while it ran, of a dense layer it recognised from this TopK's mask
+    (for the dense reasons, one-hot or scattered ids, or none): it names the part, node and
+    reason (a TopK over another axis, a router over other rows, weights that are graph
+    inputs) and replaces the reason.
+    """
+    reason, dense_form = _unrecognised_reason(topk, refusals)
+    dense = recorded(refusals, DENSE_EXPERTS, topk) if dense_form else None
+    return reason, dense
+
+
+def dense_near_miss(topk: ir.Node, dense: Refusal, router: ir.Node | None) -> NearMiss:
+    """The near miss of a TopK whose dense layer the dense-experts pass recognised and left.
+
+    It names the first node or value the pass's refusal names (else the TopK), and the values.
+    """
+    sources = dense.failure_sources
+    where = sources[0] if sources else topk
+    node = label(where) if isinstance(where, ir.Node) else value_label(where)
+    return NearMiss(
+        rule=None,
+        part=dense.part,
+        node=node,
+        reason=dense.reason,
+        root=None,
+        topk=label(topk),
+        router=label(router),
+        values=tuple(value_label(v) for v in sources if isinstance(v, ir.Value)),
+        value=value_label(dense.value) if dense.value is not None else None,
+        expected=dense.expected,
+    )
+
+
+def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[str | None, bool]:
+    """The reason, and whether the dense-experts pass's refusal may replace it.
 
     A router that MoE/QMoE cannot express is named first (:mod:`onnx_moe_fuse.rewrites.moe.routers`):
     it is the refusal even where the experts' spelling is one no rule takes.
     """
     ids = _expert_ids(topk)
     if ids is None or _sorts_expert_ids(topk):
-        return None
+        return None, True
     todo, seen, uses = [ids], 0, set()
     half: set[str] = set()
     while todo and seen < 8:
@@ -235,44 +316,34 @@ def unrecognised_reason(topk: ir.Node) -> str | None:
         return (
             f"not fused: the layer computes in {'/'.join(sorted(half))}; this version fuses "
             "float32 layers only (float16/bfloat16 layers are left as they are)"
-        )
+        ), False
     # a router no MoE/QMoE computes is the refusal, whatever else; ids scattered into a dense
     # [T, E] weights tensor (Llama4's code) select experts too
     router = router_near_miss(topk) if selects or "ScatterElements" in uses else None
     if router is not None:
-        return router
+        return router, False
     if "argsort" in uses:
-        # the sorted-experts pass left this block: its proof says which link it could not show
-        detail = sorted_refusal_for(topk)
+        # the sorted-experts pass left this block: its refusal says which link it could not show
+        detail = recorded(refusals, SORTED_EXPERTS, topk)
         if detail is None:
-            return _SORTED_UNRECOGNISED
-        return f"{_SORTED_UNRECOGNISED}; the sorted-experts pass: {detail}"
+            return _SORTED_UNRECOGNISED, False
+        return f"{_SORTED_UNRECOGNISED}; the sorted-experts pass: {detail.reason}", False
     if "ScatterElements" in uses and not selects:
         # ids scattered into dense [T, E] weights (gpt-oss's router): the dense-experts pass
-        # left the layer, its refusal says which part it could not read
-        # (only a recognised layer: DeepSeek's group selection scatters ids into a group mask)
-        dense = dense_refusal_for(topk)
-        if dense is not None and dense.recognised:
-            return f"{_DENSE_UNRECOGNISED}; the dense-experts pass: {dense.part}: {dense.reason}"
+        # left the layer, its refusal says which part it could not read (it records only layers
+        # it recognised: DeepSeek's group selection scatters ids into a group mask)
+        dense = recorded(refusals, DENSE_EXPERTS, topk)
+        if dense is not None:
+            return (
+                f"{_DENSE_UNRECOGNISED}; the dense-experts pass: {dense.part}: {dense.reason}",
+                True,
+            )
     if uses & {"OneHot", "Equal"}:
-        # the expert-loop pass left this layer: its proof says which link it could not show
-        detail = loop_refusal_for(topk)
+        # the expert-loop pass left this layer: its refusal says which link it could not show
+        detail = recorded(refusals, EXPERT_LOOP, topk)
         if detail is not None:
-            return f"{_ONE_HOT_UNRECOGNISED}; the expert-loop pass: {detail}"
-        return _ONE_HOT_UNRECOGNISED
+            return f"{_ONE_HOT_UNRECOGNISED}; the expert-loop pass: {detail.reason}", True
+        return _ONE_HOT_UNRECOGNISED, True
     if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:
-        return GENERIC_UNRECOGNISED
-    return None
-
-
-def recognised_dense(topk: ir.Node, reason: str | None) -> DenseRefusal | None:
-    """The dense-experts pass's refusal of a dense layer it recognised, where it explains more.
-
-    For the dense messages (one-hot or scattered ids) only: the pass read this TopK's mask, so
-    the layer is a dense MoE, and its refusal names the part, node and reason (a TopK over
-    another axis, a router over other rows, weights that are graph inputs).
-    """
-    if reason is not None and not reason.startswith((_ONE_HOT_UNRECOGNISED, _DENSE_UNRECOGNISED)):
-        return None
-    dense = dense_refusal_for(topk)
-    return dense if dense is not None and dense.recognised else None
+        return GENERIC_UNRECOGNISED, False
+    return None, True

@@ -1,7 +1,9 @@
 """The fusion report: what fused (op, rule, replaced and kept nodes, attributes), the near misses, the target.
 
 :class:`FusionReport` is a plain dataclass the passes fill and ``to_dict()`` makes JSON-ready;
-a near miss is ``{rule, part, node, reason, root, topk, router, values}``.
+the passes hand each near miss as a :class:`~onnx_moe_fuse.rewrites.graph.refusals.NearMiss`
+record, which the report keeps serialised (:meth:`FusionReport.add_near_miss`) as
+``{rule, part, node, reason, root, topk, router, values}``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from onnx_moe_fuse.pipeline.common import (
     fused_nodes,
     rule_name,
 )
-from onnx_moe_fuse.rewrites.moe.analysis import PARTS
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     REPLACED_KEY,
 )
@@ -32,14 +34,16 @@ class FusionReport:
     "attributes": {...}}``; ``kept`` names the nodes of the layer's region that stay because a
     value they compute is also used outside the layer, upstream of the experts (a router Softmax
     that is also a graph output).
-    ``near_misses``: ``{"rule", "part", "node", "reason", "root", "topk", "router", "values"}``:
-    ``part`` is the layer part at fault (one of ``tokens, routing, fc1, activation, fc2,
-    combine, weights, target, region``; None when no rule matched), ``node`` the node or value
-    the reason is about, ``root`` the node whose output the layer would have replaced (its
-    combine), ``topk`` and ``router`` the routing TopK and the Softmax/Sigmoid before it (None
-    when unknown), ``values`` every value or node the failing check names. Unnamed nodes are
-    written ``OpType(first output)``. Nodes are named as in the canonicalised working copy,
-    which keeps the model's names for every node it did not rewrite.
+    ``near_misses``: ``{"rule", "part", "node", "reason", "root", "topk", "router", "values"}``,
+    each a :class:`~onnx_moe_fuse.rewrites.graph.refusals.NearMiss` record serialised
+    (:meth:`add_near_miss`): ``part`` is the layer part at fault (one of ``tokens, routing,
+    fc1, activation, fc2, combine, weights, target, region``, or ``attention prelude``; None
+    when no rule matched), ``node`` the node or value the reason is about, ``root`` the node
+    whose output the layer would have replaced (its combine), ``topk`` and ``router`` the
+    routing TopK and the Softmax/Sigmoid before it (None when unknown), ``values`` every value
+    or node the failing check names. Unnamed nodes are written ``OpType(first output)``. Nodes
+    are named as in the canonicalised working copy, which keeps the model's names for every
+    node it did not rewrite.
     ``canonicalisation``: one line per canonicalisation pass that failed on the working copy
     and was skipped (canonicalisation never changes the model itself).
     ``target``: the runtime the fused nodes were written for (one of
@@ -56,19 +60,9 @@ class FusionReport:
         """A JSON-ready copy."""
         return asdict(self)
 
-
-def split_part(reason: str) -> tuple[str | None, str]:
-    """``"fc2: the weights ..."`` -> ``("fc2", "the weights ...")`` (the rules' check prefix)."""
-    head, sep, rest = reason.partition(": ")
-    if sep and head in PARTS:
-        return head, rest
-    return None, reason
-
-
-def near_miss(**fields: Any) -> dict[str, Any]:
-    """One near-miss record, keys in report order (see :class:`FusionReport`)."""
-    keys = ("rule", "part", "node", "reason", "root", "topk", "router", "values")
-    return {k: fields[k] for k in keys}
+    def add_near_miss(self, miss: NearMiss) -> None:
+        """Record ``miss`` in its report form (:meth:`NearMiss.to_dict`)."""
+        self.near_misses.append(miss.to_dict())
 
 
 def report_fusions(graph: ir.Graph, report: FusionReport) -> None:

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import networkx as nx
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+
 __all__ = [
     "ORIGIN_KEY",
-    "SpliceRefusal",
     "Spliced",
     "origin_tail",
     "splice_fused_node",
@@ -45,16 +46,6 @@ __all__ = [
 
 #: ``Value.meta`` key set on every value of the working copy before canonicalisation.
 ORIGIN_KEY = "onnx_moe_fuse.origin"
-
-
-class SpliceRefusal(ValueError):
-    """The fused node cannot replace a region of the original graph; ``reason`` says why."""
-
-    def __init__(self, reason: str, value: str | None = None):
-        """``value``: the original value (name) the reason is about, if any."""
-        super().__init__(reason)
-        self.reason = reason
-        self.value = value
 
 
 @dataclass(frozen=True)
@@ -116,7 +107,9 @@ def _to_copy(fused: ir.Node) -> tuple[list[ir.Node], list[ir.Value], list[ir.Val
                 origin[id(v)] = v
             elif v.producer() is None:
                 if not _is_constant(v):
-                    raise SpliceRefusal(f"the fused node reads '{v.name}', which is not constant")
+                    raise Refusal(
+                        f"the fused node reads '{v.name}', which is not constant", part="region"
+                    )
                 constants[id(v)] = v
             else:
                 todo.append(v.producer())
@@ -145,8 +138,8 @@ def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dic
             a.type == ir.AttributeType.GRAPH or a.type == ir.AttributeType.GRAPHS
             for a in node.attributes.values()
         ):
-            raise SpliceRefusal(
-                f"the layer holds control flow ({node.op_type} '{_label(node)}')",
+            raise Refusal(
+                f"the layer holds control flow ({node.op_type} '{_label(node)}')", part="region"
             )
         for v in node.inputs:
             if v is None:
@@ -163,7 +156,7 @@ def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dic
             if producer is None:
                 if _is_constant(v):
                     continue
-                raise SpliceRefusal(
+                raise Refusal(
                     f"the layer in the model reads '{v.name}' "
                     + (
                         "(a graph input with a default initializer)"
@@ -171,14 +164,17 @@ def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dic
                         else "(a graph input)"
                     )
                     + ", which the fused node does not take",
-                    v.name,
+                    v,
+                    part="region",
                 )
             g.add_edge(("n", id(producer)), ("n", id(node)))
             todo.append(producer)
     for v in boundary:
         if id(v) not in reached:
-            raise SpliceRefusal(
-                f"the fused node reads '{v.name}', which the layer in the model does not", v.name
+            raise Refusal(
+                f"the fused node reads '{v.name}', which the layer in the model does not",
+                v,
+                part="region",
             )
     _add_dead_feeders(g, region, boundary)
     return g, region
@@ -247,10 +243,11 @@ def _check_kept_inputs(region: dict[int, ir.Node], keep: set[int]) -> None:
         for v in node.inputs:
             producer = v.producer() if v is not None else None
             if producer is not None and id(producer) in region and id(producer) not in keep:
-                raise SpliceRefusal(
+                raise Refusal(
                     f"'{_label(node)}' stays (a value it leads to is used outside the layer) but "
                     f"reads '{v.name}', which the fused node replaces",
-                    v.name,
+                    v,
+                    part="region",
                 )
 
 
@@ -273,11 +270,12 @@ def _kept(
             )
             ancestors = nx.ancestors(g, ("n", id(node)))
             if tokens is not None and ("v", id(tokens)) in ancestors:
-                raise SpliceRefusal(
+                raise Refusal(
                     f"an intermediate value escapes the layer: '{out.name}' ({node.op_type} "
                     f"'{_label(node)}') is also {where}, and it depends on the expert "
                     "computation",
-                    out.name,
+                    out,
+                    part="region",
                 )
             keep.add(id(node))
             keep.update(i for kind, i in ancestors if kind == "n")
@@ -344,8 +342,9 @@ def splice_fused_node(
     canonicalisation); ``replaces`` names the value its output replaces, or the output of
     ``last``, a layout tail after it (:func:`origin_tail`), which is then copied with it;
     ``tokens_input`` is its input that carries the tokens (the escape analysis keeps only
-    values that do not depend on it). Raises :class:`SpliceRefusal` and leaves ``model``
-    unchanged when the region cannot be proved.
+    values that do not depend on it). Raises a
+    :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` of part ``region``, naming the
+    value at fault, and leaves ``model`` unchanged when the region cannot be proved.
     """
     graph = model.graph
     values = _values_by_name(graph)
@@ -353,10 +352,11 @@ def splice_fused_node(
     out_w = last.outputs[0]
     target = values.get(replaces)
     if target is None or target.producer() is None:
-        raise SpliceRefusal(
+        raise Refusal(
             f"the layer output '{replaces}' was made by canonicalisation and has no "
             "counterpart in the model",
-            replaces,
+            target if target is not None else ir.Value(name=replaces),  # names it in the report
+            part="region",
         )
     copies, origin, constants = _to_copy(last)
     mapping: dict[int, ir.Value] = {}
@@ -364,7 +364,9 @@ def splice_fused_node(
     for v in origin:
         ov = values.get(v.name or "")
         if ov is None:
-            raise SpliceRefusal(f"the fused node reads '{v.name}', which the model lacks", v.name)
+            raise Refusal(
+                f"the fused node reads '{v.name}', which the model lacks", v, part="region"
+            )
         mapping[id(v)] = ov
         if not _is_constant(ov):
             boundary.append(ov)

@@ -8,11 +8,17 @@ throw-away clone of the working copy, the rules' diagnostic twins move every spl
 structure alone (``split_rows_rules(proved=False)``: not exact, never emitted), the MoE layer
 rules run there in probe mode, and their refusal for each TopK is what the near miss reports,
 after the fact that the split itself was not proved.
+
+This is a third run of the rules, on a throw-away clone, and it stays one: no run of the pass
+sees a graph with the unproved split moved out. A traced run applies no rewrite, so the twins
+cannot move the split in the probe run; and the real run must never see them (they are not
+exact, and on their structure alone they also match the combines of layers that do fuse). It
+runs only when a split combine is there and a TopK is otherwise "not recognised".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
@@ -20,6 +26,7 @@ from onnxscript.rewriter import pattern
 from onnx_moe_fuse.pipeline.near_misses import NearMissTracer
 from onnx_moe_fuse.rewrites.canonical.spellings.split_rows import split_rows_rules
 from onnx_moe_fuse.rewrites.graph.fresh_names import FreshNames
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
 from onnx_moe_fuse.rewrites.moe.layer_rules import moe_layer_rule_set
 
 __all__ = ["SPLIT_UNPROVED", "split_rows_diagnosis"]
@@ -45,10 +52,13 @@ def _has_split_combine(graph: ir.Graph) -> bool:
     return False
 
 
-def split_rows_diagnosis(work: ir.Model, emit: Iterable[str]) -> dict[str, str]:
-    """``{TopK output name: the rules' refusal}`` once the unproved splits are moved out.
+def split_rows_diagnosis(
+    work: ir.Model, emit: Iterable[str], refusals: Sequence[Refusal] = ()
+) -> dict[str, NearMiss]:
+    """``{TopK output name: the rules' first refusal}`` once the unproved splits are moved out.
 
     Empty when the working copy has no split combine (the common case: nothing is cloned).
+    ``refusals``: the canonical passes' records, as for the pass's own tracer.
     """
     if not _has_split_combine(work.graph):
         return {}
@@ -58,10 +68,10 @@ def split_rows_diagnosis(work: ir.Model, emit: Iterable[str]) -> dict[str, str]:
     rules = pattern.RewriteRuleSet(split_rows_rules(names, opset, proved=False))
     if not rules.apply_to_model(copy):
         return {}
-    tracer = NearMissTracer()
+    tracer = NearMissTracer(refusals)
     moe_layer_rule_set(frozenset(emit), probe=True, splice=True).apply_to_model(copy, tracer=tracer)
-    found: dict[str, str] = {}
+    found: dict[str, NearMiss] = {}
     for attempt in tracer.attempts:
         if attempt.topk is not None and attempt.topk.outputs:
-            found.setdefault(attempt.topk.outputs[0].name or "", attempt.reason)
+            found.setdefault(attempt.topk.outputs[0].name or "", attempt.near_miss())
     return found

@@ -17,21 +17,26 @@ from onnx_moe_fuse.rewrites.canonical.spellings.normalize_spellings import (
     NormalizeSpellingsPass,
 )
 from onnx_moe_fuse.rewrites.canonical.weights.fold_weight_layout import FoldWeightLayoutPass
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = ["canonicalisation_passes"]
 
 
-def canonicalisation_passes() -> list[ir.passes.InPlacePass]:
+def canonicalisation_passes(refusals: list[Refusal] | None = None) -> list[ir.passes.InPlacePass]:
     """Fresh instances of every canonicalisation pass, in pipeline order.
 
     Layer forms come last: they read the parts in the spellings the earlier passes produce.
+    The layer-form passes record, into ``refusals`` when given, why they left a layer as it
+    was (:mod:`onnx_moe_fuse.rewrites.graph.refusals`), while they run.
     """
+    if refusals is None:
+        refusals = []
     return [
         FoldShapesPass(),
         FoldWeightLayoutPass(),
         NormalizeSpellingsPass(),
         CanonicalSlotsPass(),
-        CanonicalExpertLoopPass(),
-        CanonicalDenseExpertsPass(),
-        CanonicalSortedExpertsPass(),
+        CanonicalExpertLoopPass(refusals),
+        CanonicalDenseExpertsPass(refusals),
+        CanonicalSortedExpertsPass(refusals),
     ]

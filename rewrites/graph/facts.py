@@ -1,14 +1,14 @@
 """Small facts about onnx-ir values and nodes that the MoE layer checks rely on.
 
 Everything here reads the graph and never changes it. A helper that cannot establish a fact
-returns ``None`` (or raises :class:`Refusal`, for the ``require_*`` helpers) rather than guessing:
-a rule must refuse what it cannot prove.
+returns ``None`` rather than guessing: a rule must refuse what it cannot prove (the refusal type
+is :class:`onnx_moe_fuse.rewrites.graph.refusals.Refusal`).
 
 * constants: :func:`const_array`, :func:`const_ints`, :func:`const_float`, :func:`node_axes`;
 * static ranks and last dims of values: :func:`static_rank`, :func:`static_last_dim`;
 * symbolic shapes (:class:`Dim`, :func:`reshape_dims`, :func:`value_dims`, :func:`lead_dims`,
   :func:`product`) live in :mod:`.symbolic_dims`, which reads the facts here;
-* node labels for reports: :func:`label`.
+* node labels for reports: :func:`label`, :func:`value_label`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _basics
 
 from onnx_moe_fuse.rewrites.graph.tensor_reads import read_array
 
 __all__ = [
-    "Refusal",
     "label",
     "value_label",
     "const_array",
@@ -37,9 +35,6 @@ __all__ = [
     "static_last_dim",
     "default_opset",
 ]
-
-Refusal = _basics.MatchFailureError
-"""Raised by an analysis step that refuses a match; carries a plain-words reason."""
 
 
 def label(node: ir.Node | None) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import _pattern_ir, pattern
 
-__all__ = ["PartMatch", "PartPattern", "first_match"]
+__all__ = ["PartMatch", "PartPattern", "first_match", "spellings"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,11 @@ class PartPattern:
 
     def __repr__(self) -> str:
         return f"PartPattern({self.name!r})"
+
+
+def spellings(patterns: Iterable[tuple[str, PartPattern]]) -> str:
+    """The names of ``patterns``, ``" | "``-joined: the spellings a refusal says were expected."""
+    return " | ".join(pat.name for _, pat in patterns)
 
 
 def first_match(

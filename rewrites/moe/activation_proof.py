@@ -24,9 +24,9 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     normalize_axes,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.moe.plan import (
     ExpertWeights,
-    refuse,
 )
 
 # -- 5. activation -----------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def elementwise_activation(b: Mapping[str, Any]) -> str:
     if tag == "swish":
         alpha = attr_float(node, "alpha", 1.0) if node is not None else None
         if alpha != 1.0:
-            raise refuse(f"Swish '{label(node)}' has alpha {alpha}; MoE's silu has alpha 1", node)
+            raise Refusal(f"Swish '{label(node)}' has alpha {alpha}; MoE's silu has alpha 1", node)
         return "silu"
     if tag == "fast_gelu":
         return "gelu"
@@ -54,20 +54,20 @@ def elementwise_activation(b: Mapping[str, Any]) -> str:
         approx = attr_str(node, "approximate", "none")
         if approx == "tanh":
             return "gelu"
-        raise refuse(
+        raise Refusal(
             f"exact GELU: Gelu '{label(node)}' computes the erf form (approximate='{approx}'); "
             "ORT's MoE 'gelu' is the tanh approximation, 1e-4 to 3e-4 apart, so fusing would "
             "change the numbers",
             node,
         )
     if tag in ("erf_gelu", "ms_gelu"):
-        raise refuse(
+        raise Refusal(
             f"exact GELU: the activation '{value_label(act)}' is the erf form of GELU "
             "(x * 0.5 * (1 + Erf(x / sqrt 2))); ORT's MoE 'gelu' is the tanh approximation, so "
             "fusing would change the numbers",
             node,
         )
-    raise refuse(f"unknown activation form {tag!r}", node)
+    raise Refusal(f"unknown activation form {tag!r}", node)
 
 
 def gate_up_columns(src: ir.Value, fc1_out: ir.Value, n1: int, last: int, role: str) -> np.ndarray:
@@ -77,7 +77,7 @@ def gate_up_columns(src: ir.Value, fc1_out: ir.Value, n1: int, last: int, role: 
     """
     node = src.producer()
     if node is None or node.inputs[0] is not fc1_out:
-        raise refuse(f"SwiGLU {role} operand '{value_label(src)}' is not a slice of FC1", src)
+        raise Refusal(f"SwiGLU {role} operand '{value_label(src)}' is not a slice of FC1", src)
     if node.op_type == "Slice":
         starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
         axes_v = node.inputs[3] if len(node.inputs) > 3 else None
@@ -90,36 +90,36 @@ def gate_up_columns(src: ir.Value, fc1_out: ir.Value, n1: int, last: int, role: 
         if None in (starts, ends, axes, steps) or not (
             len(starts) == len(ends) == len(axes) == len(steps) == 1  # type: ignore[arg-type]
         ):
-            raise refuse(
+            raise Refusal(
                 f"SwiGLU {role}: Slice '{label(node)}' is not a constant one-axis slice", node
             )
         if normalize_axes(axes, last + 1) != [last]:  # type: ignore[arg-type]
-            raise refuse(f"SwiGLU {role}: Slice '{label(node)}' does not cut the last axis", node)
+            raise Refusal(f"SwiGLU {role}: Slice '{label(node)}' does not cut the last axis", node)
         if steps[0] <= 0:  # type: ignore[index]
-            raise refuse(f"SwiGLU {role}: Slice '{label(node)}' has a non-positive step", node)
+            raise Refusal(f"SwiGLU {role}: Slice '{label(node)}' has a non-positive step", node)
         return np.arange(n1)[slice(starts[0], ends[0], steps[0])]  # type: ignore[index]
     if node.op_type == "Split":
         axis = attr_int(node, "axis", 0)
         if normalize_axes([axis or 0], last + 1) != [last]:
-            raise refuse(f"SwiGLU {role}: Split '{label(node)}' does not cut the last axis", node)
+            raise Refusal(f"SwiGLU {role}: Split '{label(node)}' does not cut the last axis", node)
         parts = len(node.outputs)
         split_v = node.inputs[1] if len(node.inputs) > 1 else None
         if split_v is not None:
             sizes = const_ints(split_v)
             if sizes is None or sum(sizes) != n1:
-                raise refuse(f"SwiGLU {role}: Split '{label(node)}' sizes are not constant", node)
+                raise Refusal(f"SwiGLU {role}: Split '{label(node)}' sizes are not constant", node)
         else:
             split_attr = node.attributes.get("split")
             if split_attr is not None:
                 sizes = [int(v) for v in split_attr.value]
             else:
                 if n1 % parts:
-                    raise refuse(f"SwiGLU {role}: Split '{label(node)}' is uneven", node)
+                    raise Refusal(f"SwiGLU {role}: Split '{label(node)}' is uneven", node)
                 sizes = [n1 // parts] * parts
         which = src.index()
         start = sum(sizes[:which])
         return np.arange(start, start + sizes[which])
-    raise refuse(f"SwiGLU {role} operand comes from {node.op_type} '{label(node)}'", node)
+    raise Refusal(f"SwiGLU {role} operand comes from {node.op_type} '{label(node)}'", node)
 
 
 def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None]:
@@ -129,7 +129,7 @@ def _clip_bounds(clip: ir.Node) -> tuple[float | None, float | None]:
         lo = None if lo_v is None else const_float(lo_v)
         hi = None if hi_v is None else const_float(hi_v)
         if (lo_v is not None and lo is None) or (hi_v is not None and hi is None):
-            raise refuse(f"Clip '{label(clip)}' has bounds that are not constant", clip)
+            raise Refusal(f"Clip '{label(clip)}' has bounds that are not constant", clip)
     else:  # opset < 11: attributes
         lo, hi = attr_float(clip, "min", None), attr_float(clip, "max", None)
     lo = None if lo is not None and math.isinf(lo) and lo < 0 else lo
@@ -151,7 +151,7 @@ def swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
     if gate_clip is not None or lin_clip is not None:
         if gate_clip is None or lin_clip is None:
             which = gate_clip or lin_clip
-            raise refuse(
+            raise Refusal(
                 f"SwiGLU clamps only one operand (Clip '{label(which)}'); MoE's swiglu_limit "
                 "clamps the gate from above and the linear operand on both sides",
                 which,
@@ -159,13 +159,13 @@ def swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
         g_lo, g_hi = _clip_bounds(gate_clip)
         l_lo, l_hi = _clip_bounds(lin_clip)
         if g_lo is not None or g_hi is None or g_hi <= 0:
-            raise refuse(
+            raise Refusal(
                 f"SwiGLU gate Clip '{label(gate_clip)}' is not min(gate, limit) (bounds "
                 f"{g_lo}, {g_hi})",
                 gate_clip,
             )
         if l_hi is None or l_lo is None or l_hi != g_hi or l_lo != -g_hi:
-            raise refuse(
+            raise Refusal(
                 f"SwiGLU linear Clip '{label(lin_clip)}' is not clamp(x, -{g_hi}, {g_hi}) "
                 f"(bounds {l_lo}, {l_hi})",
                 lin_clip,
@@ -175,13 +175,13 @@ def swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
     if b.get("alpha_form") == "scaled":
         a = const_float(b.get("swiglu_alpha"))
         if a is None:
-            raise refuse("SwiGLU: the Sigmoid's scale factor (alpha) is not a constant scalar")
+            raise Refusal("SwiGLU: the Sigmoid's scale factor (alpha) is not a constant scalar")
         alpha = a
     beta = 0.0
     if b.get("beta_form") == "shifted":
         bb = const_float(b.get("swiglu_beta"))
         if bb is None:
-            raise refuse("SwiGLU: the linear operand's offset (beta) is not a constant scalar")
+            raise Refusal("SwiGLU: the linear operand's offset (beta) is not a constant scalar")
         beta = bb
     return alpha, beta, limit
 
@@ -199,13 +199,13 @@ def granularity(
     text = ", ".join(f"{w.role}: {w.describe()}" for w in parts)
     bit_set = {w.bits for w in parts}
     if len(bit_set) != 1:
-        raise refuse(
+        raise Refusal(
             f"the expert projections have different bit widths ({text}); one QMoE node takes one",
             fc2.value,
         )
     bits = bit_set.pop()
     if bits == 4 and (hidden % 2 or inter % 2):
-        raise refuse(f"4-bit QMoE packs pairs along K; H = {hidden}, I = {inter}", fc2.value)
+        raise Refusal(f"4-bit QMoE packs pairs along K; H = {hidden}, I = {inter}", fc2.value)
     per_channel = all(w.per_channel for w in parts)
     blocks = {w.block for w in parts}
     common = blocks.pop() if len(blocks) == 1 else 0
@@ -217,7 +217,7 @@ def granularity(
     if valid and bits == 8:
         # measured (shared/notes/semantics.md): ORT CPU's block-wise 8-bit QMoE quantises the
         # activations to int8 per block, 6e-3 to 2e-2 off the layer it replaces
-        raise refuse(
+        raise Refusal(
             f"8-bit weights in blocks of {common} along K ({text}): ONNX Runtime's block-wise "
             "8-bit QMoE quantises the activations too, so the fused node would not compute the "
             "same (per-channel 8-bit and every 4-bit form are exact)",
@@ -226,12 +226,12 @@ def granularity(
     if valid:
         return bits, common
     if common:
-        raise refuse(
+        raise Refusal(
             f"block size {common} is not usable by QMoE (a power of two >= 16 that divides "
             f"H = {hidden} and I = {inter}) ({text})",
             fc2.value,
         )
-    raise refuse(
+    raise Refusal(
         f"the expert projections are quantized with different granularity ({text}); one QMoE "
         "node takes one block size",
         fc2.value,

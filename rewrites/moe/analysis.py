@@ -3,9 +3,10 @@
 :func:`analyse_layer` reads the values the part recognisers bound (``parts.LayerParts.bindings``)
 and proves, step by step, that one ``com.microsoft.MoE`` or ``QMoE`` node computes exactly what
 the recognised layer computes. Every step either adds facts to the plan or raises a
-:class:`~.parts.facts.PartFailure` (the one failure type, :func:`refuse`) with a plain-words
-reason that names the value or node at fault and, through :func:`part`, the layer part (these
-reasons are what ``--explain`` prints). It is a pure function of the graph and the bindings: the
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` (the one failure type) with a plain-words
+reason that names the value or node at fault and, through
+:func:`~onnx_moe_fuse.rewrites.graph.refusals.part`, the layer part (these reasons are what
+``--explain`` prints). It is a pure function of the graph and the bindings: the
 rules call it from ``check`` and again from ``rewrite``, and keep nothing between the two calls.
 
 Steps, in order (the first failing one gives the reason):
@@ -27,7 +28,7 @@ Steps, in order (the first failing one gives the reason):
    the recognised layer only.
 
 Steps 1 to 3 and the projections' spellings are per layer form: this module proves the per-slot
-form (projections ``[*, k, N]``, :func:`analyse_layer`); :mod:`._moe_rows_analysis` proves the
+form (projections ``[*, k, N]``, :func:`analyse_layer`); :mod:`.rows_analysis` proves the
 flattened-rows form of torch.onnx ``batched_mm`` exports with the same routing, weight and bias
 steps. Both hand the proved parts to :func:`finish_layer` (sizes, activation, target, escapes).
 """
@@ -42,7 +43,6 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import (
-    Refusal,
     attr_int,
     const_array,
     default_opset,
@@ -53,23 +53,19 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     static_rank,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 from onnx_moe_fuse.rewrites.moe.activation_proof import (
     elementwise_activation,
     gate_up_columns,
     granularity,
     swiglu_params,
 )
-from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
 from onnx_moe_fuse.rewrites.moe.plan import (
     MOE_ACTIVATIONS,
-    PARTS,
     QMOE_ACTIVATIONS,
     ExpertWeights,
     LayerPlan,
     bound_node,
-    part,
-    refusal_part,
-    refuse,
 )
 from onnx_moe_fuse.rewrites.moe.routing_proof import (
     Routing,
@@ -86,13 +82,10 @@ from onnx_moe_fuse.rewrites.moe.weights_proof import (
 )
 
 __all__ = [
-    "PARTS",
     "ExpertWeights",
     "FC1_PROJECTIONS",
     "LayerPlan",
-    "PartFailure",
     "QMOE_ACTIVATIONS",
-    "Refusal",
     "Routing",
     "WEIGHT_LAYOUTS",
     "analyse_layer",
@@ -101,9 +94,6 @@ __all__ = [
     "expert_bias",
     "expert_weights",
     "finish_layer",
-    "part",
-    "refusal_part",
-    "refuse",
     "routing_form",
     "with_bias",
 ]
@@ -196,7 +186,7 @@ def finish_layer(
     tokens: ir.Value = b["tokens"]
     with part("tokens"):
         if static_last_dim(tokens) not in (None, hidden):
-            raise refuse(
+            raise Refusal(
                 f"the tokens '{value_label(tokens)}' do not have H = {hidden} features", tokens
             )
     with part("routing"):
@@ -250,7 +240,7 @@ def _same_experts(fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights) -> None:
     e, _, hidden = fc2.shape
     for w in fc1:
         if w.shape[0] != e or w.shape[1] != hidden:
-            raise refuse(
+            raise Refusal(
                 f"{w.role} weights have shape {list(w.shape)} but FC2's are {list(fc2.shape)} "
                 "(expected [E, H, ...] with the same E and H)",
                 w.value,
@@ -260,18 +250,18 @@ def _same_experts(fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights) -> None:
 def _router_width(routing: Routing, e: int, k: int) -> None:
     router_e = static_last_dim(routing.router_probs)
     if router_e is None:
-        raise refuse(
+        raise Refusal(
             f"cannot prove that the router '{value_label(routing.router_probs)}' produces "
             f"E = {e} logits per token",
             routing.router_probs,
         )
     if router_e != e:
-        raise refuse(
+        raise Refusal(
             f"the router produces {router_e} logits per token but there are {e} experts",
             routing.router_probs,
         )
     if not 1 <= k <= e:
-        raise refuse(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
+        raise Refusal(f"TopK k = {k} is not between 1 and E = {e}", routing.topk)
 
 
 #: Element-wise ops: the row of their output is the row of their input.
@@ -360,7 +350,7 @@ def _router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
         reads = node.inputs[0]
         if _row_source(reads, hidden) is token_root:
             return
-        raise refuse(
+        raise Refusal(
             f"the router {node.op_type} '{label(node)}' reads '{value_label(reads)}', not the token rows "
             f"'{value_label(tokens)}' the experts read: the fused node routes each token by its own "
             "router row, which cannot be proved here",
@@ -370,7 +360,7 @@ def _router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
     if got is not None and want is not None and math.prod(got) == math.prod(want):
         return
     where = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
-    raise refuse(
+    raise Refusal(
         f"cannot prove that the router logits '{value_label(logits)}' ({where}) have one row per "
         f"token of '{value_label(tokens)}'",
         logits,
@@ -392,7 +382,7 @@ def _router_scores_stay_inside(routing: Routing) -> None:
                 sorted({f"{u.op_type} '{label(u)}'" for u, _ in scores.uses() if u is not topk})
             )
         )
-        raise refuse(
+        raise Refusal(
             f"the router probabilities '{value_label(scores)}' escape the layer: they are also "
             f"{where}",
             scores,
@@ -412,12 +402,12 @@ def _activation(
     if family == "elementwise":
         activation = elementwise_activation(b)
         if n1 != inter:
-            raise refuse(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
+            raise Refusal(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
         return activation, np.arange(n1), (1.0, 0.0, None)
     params = swiglu_params(b)
     if family == "gated":
         if fc1[0].shape != fc1[1].shape:
-            raise refuse("the gate and up experts have different shapes", fc1[1].value)
+            raise Refusal("the gate and up experts have different shapes", fc1[1].value)
         gate_cols = np.arange(fc1[0].shape[2])
         lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
     else:
@@ -425,7 +415,7 @@ def _activation(
         gate_cols = gate_up_columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
         lin_cols = gate_up_columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
     if len(gate_cols) != inter or len(lin_cols) != inter:
-        raise refuse(
+        raise Refusal(
             f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
             f"but FC2 reads {inter}",
             fc2.value,
@@ -447,24 +437,24 @@ def _target(
     """The fused op (MoE for float weights, QMoE for quantized), its bits and block size."""
     tokens: ir.Value = b["tokens"]
     if tokens.dtype is not None and tokens.dtype != ir.DataType.FLOAT:
-        raise refuse(
+        raise Refusal(
             f"the tokens '{value_label(tokens)}' are {tokens.dtype.name.lower()}: this version "
             "fuses float32 layers only (float16/bfloat16 layers are left as they are)",
             tokens,
         )
     dtypes = {w.dtype for w in (*fc1, fc2)}
     if len(dtypes) != 1:
-        raise refuse("the expert weights do not all have the same float type", fc2.value)
+        raise Refusal("the expert weights do not all have the same float type", fc2.value)
     if dtypes != {ir.DataType.FLOAT}:
         (dtype,) = dtypes
-        raise refuse(
+        raise Refusal(
             f"the expert weights are {dtype.name.lower()}: this version fuses float32 layers "
             "only (float16/bfloat16 layers are left as they are)",
             fc2.value,
         )
     quant = {w.quantized for w in (*fc1, fc2)}
     if len(quant) != 1:
-        raise refuse(
+        raise Refusal(
             "some expert weights are quantized and others are float ("
             + ", ".join(f"{w.role}: {w.describe()}" for w in (*fc1, fc2))
             + "); MoE takes float and QMoE quantized weights only",
@@ -475,21 +465,21 @@ def _target(
     if op == "QMoE":
         bits, block = granularity(fc1, fc2, hidden, inter)
         if routing.normalize != 1:
-            raise refuse(
+            raise Refusal(
                 f"routing weights not renormalised (TopK '{label(routing.topk)}' values used as "
                 "they are): only MoE can express this (normalize_routing_weights=0), but the "
                 "expert weights are quantized, which only QMoE takes, and QMoE always renormalises",
                 routing.topk,
             )
         if activation not in QMOE_ACTIVATIONS:
-            raise refuse(
+            raise Refusal(
                 f"QMoE cannot run activation {activation}",
                 b.get("act") or fc2.value,
             )
     elif activation not in MOE_ACTIVATIONS:  # pragma: no cover - every form above is in the set
-        raise refuse(f"MoE cannot run activation {activation}")
+        raise Refusal(f"MoE cannot run activation {activation}")
     if op not in emit:
-        raise refuse(
+        raise Refusal(
             f"the layer would fuse into {op}, which is not among the requested ops "
             f"({', '.join(sorted(emit)) or 'none'})",
             routing.topk,
@@ -507,7 +497,7 @@ def _weights_stay_inside(
             bad = [u for u, _ in out.uses() if u not in matched]
             if out.is_graph_output() or bad:
                 where = "a graph output" if out.is_graph_output() else f"used by {label(bad[0])}"
-                raise refuse(
+                raise Refusal(
                     f"the dequantized {w.role} weights '{value_label(out)}' escape the layer: "
                     f"they are also {where}",
                     out,

@@ -1,14 +1,15 @@
-"""What a layer proof produces and how it refuses: :class:`ExpertWeights`, :class:`LayerPlan`, :func:`refuse`, :func:`part`.
+"""What a layer proof produces: :class:`ExpertWeights`, :class:`LayerPlan`.
 
-The vocabulary every proof step of :mod:`._moe_analysis` shares: the plan the rewrite emits from,
-the layer parts a refusal names (:data:`PARTS`), and the readers of the recognised bindings.
+The vocabulary every proof step of :mod:`.analysis` shares: the plan the rewrite emits from and
+the readers of the recognised bindings. A proof step refuses with
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` inside
+:func:`~onnx_moe_fuse.rewrites.graph.refusals.part`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -17,10 +18,6 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES
-from onnx_moe_fuse.rewrites.graph.facts import (
-    Refusal,
-)
-from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
 
 #: Activations QMoE takes: ORT CPU runs all five, and so do this project's QMoE kernels
 #: (kernels/qmoe/manifest.json; test.json has a gelu, silu and identity case each). A target
@@ -140,43 +137,6 @@ class LayerPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def refuse(reason: str, *sources: ir.Node | ir.Value | None) -> PartFailure:
-    """A :class:`PartFailure` with ``reason``, naming the nodes/values given (None ones skipped).
-
-    Its part is set by the innermost :func:`part` it is raised in.
-    """
-    return PartFailure(None, reason, *sources)
-
-
-#: The parts of a layer a refusal can name, in the order a layer proof checks them.
-PARTS = ("tokens", "routing", "fc1", "activation", "fc2", "combine", "weights", "target", "region")
-
-
-@contextmanager
-def part(name: str) -> Iterator[None]:
-    """Tag a :class:`PartFailure` raised inside with the layer ``part`` it is about.
-
-    The innermost tag wins, so a shared step (``routing_form``) tags its own refusals and a
-    caller's broader tag does not overwrite them. A plain :class:`Refusal` (from a
-    ``_graph_facts`` helper) becomes a :class:`PartFailure` of ``name``: there is one failure
-    type. Reports and ``--explain`` print the part.
-    """
-    assert name in PARTS, name
-    try:
-        yield
-    except PartFailure as failure:
-        if failure.part is None:
-            failure.part = name
-        raise
-    except Refusal as refusal:
-        raise PartFailure(name, refusal.reason, *refusal.failure_sources) from None
-
-
-def refusal_part(refusal: Refusal) -> str | None:
-    """The layer part a refusal names (None for one raised outside any :func:`part`)."""
-    return getattr(refusal, "part", None)
 
 
 def bound_node(b: Mapping[str, Any], name: str) -> ir.Node | None:

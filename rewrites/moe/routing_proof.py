@@ -23,12 +23,11 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     static_rank,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import lead_dims
 from onnx_moe_fuse.rewrites.moe.plan import (
     bound_node,
     is_last_axis,
-    part,
-    refuse,
 )
 
 # -- 1. rank -----------------------------------------------------------------------------------
@@ -50,13 +49,13 @@ def token_rank(b: Mapping[str, Any]) -> int:
             if axes and len(axes) == 1 and axes[0] >= 0:
                 r = axes[0] + 1
     if r is None:
-        raise refuse(
+        raise Refusal(
             f"cannot tell the rank of the tokens '{value_label(tokens)}' (no declared shape and "
             "no constant that fixes it)",
             tokens,
         )
     if r not in (2, 3):
-        raise refuse(
+        raise Refusal(
             f"the tokens '{value_label(tokens)}' have rank {r}; MoE/QMoE take [tokens, H] or "
             "[batch, seq, H]",
             tokens,
@@ -89,18 +88,18 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     topk = topk_values.producer()
     assert topk is not None
     if topk.outputs[1] is not b.get("topk_indices"):
-        raise refuse("the routing TopK's indices are not bound", topk)
+        raise Refusal("the routing TopK's indices are not bound", topk)
     if not is_last_axis(attr_int(topk, "axis", -1), r):
-        raise refuse(
+        raise Refusal(
             f"TopK '{label(topk)}' selects along axis {attr_int(topk, 'axis', -1)}, not over the "
             "experts (last axis)",
             topk,
         )
     if attr_int(topk, "largest", 1) != 1:
-        raise refuse(f"TopK '{label(topk)}' takes the smallest values (largest=0)", topk)
+        raise Refusal(f"TopK '{label(topk)}' takes the smallest values (largest=0)", topk)
     k_values = const_ints(b.get("topk_k"))
     if not k_values or len(k_values) != 1 or k_values[0] < 1:
-        raise refuse(f"TopK '{label(topk)}' has no constant k >= 1", topk)
+        raise Refusal(f"TopK '{label(topk)}' has no constant k >= 1", topk)
     k = k_values[0]
 
     scores: ir.Value = b["router_scores"]
@@ -109,7 +108,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     if form == "softmax_k":
         sm = bound_node(b, "routing_weights")
         if sm is None or not is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
-            raise refuse(
+            raise Refusal(
                 f"the Softmax over the top-k values '{label(sm)}' is not over the k axis", sm
             )
         # Softmax over the k selected scores == MoE/QMoE's top-k of router_probs with the k
@@ -117,7 +116,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
         return Routing(topk, k, scores, 1, None)
 
     if producer is not None and producer.op_type == "Sigmoid":
-        raise refuse(
+        raise Refusal(
             f"sigmoid routing: the top-k scores come from Sigmoid '{label(producer)}', not Softmax; "
             "MoE and QMoE softmax the router logits and cannot express sigmoid scores (that "
             "needs router_weights)",
@@ -125,31 +124,31 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
         )
     if producer is None or producer.op_type != "Softmax":
         what = "a graph input" if producer is None else f"{producer.op_type} '{label(producer)}'"
-        raise refuse(
+        raise Refusal(
             f"the top-k weights are not softmax probabilities: TopK '{label(topk)}' reads "
             f"'{value_label(scores)}' ({what}) and its values are combined "
             + ("after renormalising" if form != "as_is" else "as they are"),
             topk,
         )
     if not is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
-        raise refuse(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
+        raise Refusal(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
     logits = producer.inputs[0]
     assert logits is not None
     if form in ("renorm_div", "renorm_reciprocal"):
         s = bound_node(b, "renorm_sum")
         if s is None:
-            raise refuse("the renormalising ReduceSum is missing", topk)
+            raise Refusal("the renormalising ReduceSum is missing", topk)
         axes = node_axes(s)
         if axes is None or len(axes) != 1 or not is_last_axis(axes[0], r):
-            raise refuse(
+            raise Refusal(
                 f"ReduceSum '{label(s)}' does not sum the k routing weights (axes {axes})", s
             )
         if attr_int(s, "keepdims", 1) != 1:
-            raise refuse(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
+            raise Refusal(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
         return Routing(topk, k, logits, 1, producer)
     if form == "as_is":
         return Routing(topk, k, logits, 0, producer)
-    raise refuse(f"unknown routing form {form!r}", topk)
+    raise Refusal(f"unknown routing form {form!r}", topk)
 
 
 # -- 3. combine --------------------------------------------------------------------------------
@@ -165,23 +164,23 @@ def combine_step(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.
     if combine == "reduce_sum":
         axes = node_axes(unsq)
         if axes is None or normalize_axes(axes, r + 1) != [r]:
-            raise refuse(
+            raise Refusal(
                 f"Unsqueeze '{label(unsq)}' does not add a trailing axis to the routing weights "
                 f"(axes {axes})",
                 unsq,
             )
         axes = node_axes(root)
         if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
-            raise refuse(
+            raise Refusal(
                 f"ReduceSum '{label(root)}' does not sum over the k axis (axes {axes})", root
             )
         if attr_int(root, "keepdims", 1) != 0:
-            raise refuse(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
+            raise Refusal(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
         return root
     # MatMul combine: Unsqueeze(w, k-1 axis) [*, 1, k] @ expert_out [*, k, H] -> [*, 1, H]
     axes = node_axes(unsq)
     if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
-        raise refuse(
+        raise Refusal(
             f"Unsqueeze '{label(unsq)}' does not make the routing weights a row vector per token "
             f"(axes {axes})",
             unsq,
@@ -189,14 +188,16 @@ def combine_step(b: Mapping[str, Any], r: int, combine: str, hidden: int) -> ir.
     if root.op_type == "Squeeze":
         axes = node_axes(root)
         if axes is None or normalize_axes(axes, r + 1) != [r - 1]:
-            raise refuse(f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root)
+            raise Refusal(
+                f"Squeeze '{label(root)}' does not drop the unit axis (axes {axes})", root
+            )
         return root
     shape = const_ints(root.inputs[1])
     lead = lead_dims(b["tokens"], r - 1)
     h = Dim.of(hidden)
     got = None if shape is None else reshape_dims([*lead, Dim.of(1), h], shape)
     if got != [*lead, h]:
-        raise refuse(
+        raise Refusal(
             f"Reshape '{label(root)}' (shape {shape}) does not drop the unit axis of the combine "
             f"(from {dims_text([*lead, Dim.of(1), h])} it must make {dims_text([*lead, h])})",
             root,

@@ -18,7 +18,7 @@ the routing form (:func:`~._moe_analysis.routing_form`), the weights and biases
 (:func:`~._moe_analysis.expert_weights`, which reads ``[E, N, K]`` weights as their K-major
 transpose), sizes, activation, target and escapes (:func:`~._moe_analysis.finish_layer`).
 Like :func:`~._moe_analysis.analyse_layer`, it is a pure function of the graph and the bindings
-and raises a :class:`~.parts.facts.PartFailure` with a plain-words reason.
+and raises a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with a plain-words reason.
 
 The token count ``T`` is a symbol (the proofs hold for every ``T``) unless the graph fixes it
 (a static export: the tokens, router scores or top-k values have a concrete first dim); then it
@@ -44,6 +44,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     static_rank,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 from onnx_moe_fuse.rewrites.moe.analysis import (
     FC1_PROJECTIONS,
@@ -54,8 +55,6 @@ from onnx_moe_fuse.rewrites.moe.analysis import (
     expert_bias,
     expert_weights,
     finish_layer,
-    part,
-    refuse,
     routing_form,
     with_bias,
 )
@@ -86,7 +85,7 @@ def _reshape_to(node: ir.Node, dims_in: list[Dim], want: list[Dim], what: str) -
     if shape is not None:
         got = reshape_dims(dims_in, shape, attr_int(node, "allowzero", 0) or 0)
     if got != want:
-        raise refuse(
+        raise Refusal(
             f"Reshape '{label(node)}' (shape {shape}) does not {what} (from {_dims(dims_in)} "
             f"it must make {_dims(want)}{_got(got)})",
             node,
@@ -105,7 +104,7 @@ def _axes_are(node: ir.Node, rank: int, want: list[int], what: str) -> None:
     """Prove that the Unsqueeze/Squeeze/ReduceSum ``node`` has exactly the axes ``want``."""
     axes = node_axes(node)
     if axes is None or normalize_axes(axes, rank) != want:
-        raise refuse(f"{node.op_type} '{label(node)}' does not {what} (axes {axes})", node)
+        raise Refusal(f"{node.op_type} '{label(node)}' does not {what} (axes {axes})", node)
 
 
 def _require(b: Mapping[str, Any], name: str) -> ir.Node:
@@ -130,7 +129,7 @@ def _rows_rank(b: Mapping[str, Any]) -> None:
     ):
         if rank != 2:
             found = "is not fixed by the graph" if rank is None else f"is {rank}"
-            raise refuse(
+            raise Refusal(
                 f"the flattened-rows (batched_mm) layer needs rank 2 for {what}, and the rank "
                 f"of '{value_label(value)}' {found}",
                 value,
@@ -150,7 +149,7 @@ def _token_rows(b: Mapping[str, Any], t: Dim, k: int, hidden: int) -> None:
     repeat = bound_node(b, "token_repeat")
     if repeat is None:
         if k != 1:
-            raise refuse(
+            raise Refusal(
                 f"the token rows '{value_label(b.get('token_rows'))}' are the tokens once each, "
                 f"not repeated over the k = {k} slots",
                 _require(b, "token_rows"),
@@ -164,7 +163,7 @@ def _token_rows(b: Mapping[str, Any], t: Dim, k: int, hidden: int) -> None:
             ok = padded is not None and padded[0] in token_sizes and padded[1] == k
             ok = ok and padded[2] in (1, hidden)
         if not ok:
-            raise refuse(
+            raise Refusal(
                 f"{repeat.op_type} '{label(repeat)}' ({values}) does not repeat each token exactly "
                 f"k = {k} times (T = {t} tokens [T, 1, H])",
                 repeat,
@@ -180,7 +179,7 @@ def _expert_ids(
     """``ids = Unsqueeze(Reshape(topk_indices, [-1]), [-1])``: ``[T*k, 1]`` in row order."""
     idx = b.get(f"{tag}_indices")
     if idx is not topk_idx:
-        raise refuse(
+        raise Refusal(
             f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
             f"'{value_label(topk_idx)}'",
             idx,
@@ -197,7 +196,7 @@ def _expert_ids(
 
 def _gather_nd(node: ir.Node, role: str) -> None:
     if attr_int(node, "batch_dims", 0) != 0:
-        raise refuse(
+        raise Refusal(
             f"{role}: GatherND '{label(node)}' has batch_dims "
             f"{attr_int(node, 'batch_dims', 0)}; the expert selection needs 0",
             node,
@@ -236,7 +235,7 @@ def _row_expert(
         axes = node_axes(unsq)
         one = normalize_axes(axes, 3) if axes is not None else None
         if one is None or len(one) != 1:
-            raise refuse(f"{role}: Unsqueeze '{label(unsq)}' (axes {axes}) is not one axis", unsq)
+            raise Refusal(f"{role}: Unsqueeze '{label(unsq)}' (axes {axes}) is not one axis", unsq)
         _axes_are(noop, 3, one, f"undo Unsqueeze '{label(unsq)}' (axes {axes})")
     return with_bias(ew, bias)
 
@@ -258,7 +257,7 @@ def _combine(b: Mapping[str, Any], t: Dim, k: int, hidden: int) -> None:
     root = _require(b, "layer_out")
     _axes_are(root, 3, [1], "sum over the k slots")
     if attr_int(root, "keepdims", 1) != 0:
-        raise refuse(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
+        raise Refusal(f"ReduceSum '{label(root)}' keeps the k axis (keepdims=1)", root)
 
 
 # -- the whole layer ---------------------------------------------------------------------------

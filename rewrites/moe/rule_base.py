@@ -6,10 +6,12 @@ the few nodes that anchor a layer at its TopK and keep the rule from firing on s
 MoE. Everything between the TopK and the combine's expert output is recognised part by part in
 ``check`` (:func:`.parts.layer.recognise_layer`: routing, FC2, activation, FC1), and the
 recognised :class:`~.parts.facts.LayerParts` is proved by the layout's proof
-(:func:`~._moe_analysis.analyse_layer` for per-slot projections,
-:func:`~._moe_rows_analysis.analyse_rows_layer` for flattened rows) into a
-:class:`~._moe_analysis.LayerPlan`, or refused with a :class:`~.parts.facts.PartFailure` whose
-``"part: reason"`` text is the ``MatchResult`` failure. ``rewrite`` recognises and proves again
+(:func:`~.analysis.analyse_layer` for per-slot projections,
+:func:`~.rows_analysis.analyse_rows_layer` for flattened rows) into a
+:class:`~.analysis.LayerPlan`, or refused with a
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`, which ``check`` hands to onnxscript as
+its failed ``MatchResult`` (reading ``"part: reason"``, and carrying the refusal for the
+pipeline's tracer). ``rewrite`` recognises and proves again
 (nothing is kept on the rule) and emits the fused node from the plan.
 
 The concrete rules (:mod:`.moe_layer`, :mod:`.moe_layer_batched`) give an activation ``family``
@@ -26,15 +28,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
+from onnxscript.rewriter import _basics, pattern
 
 from onnx_moe_fuse.contract.ops import CONTRIB_OPS, MOE, MS_DOMAIN, QMOE
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
-from onnx_moe_fuse.rewrites.moe.analysis import LayerPlan, Refusal, analyse_layer, refusal_part
+from onnx_moe_fuse.rewrites.moe.analysis import LayerPlan, analyse_layer
 from onnx_moe_fuse.rewrites.moe.emit import fused_arrays
 from onnx_moe_fuse.rewrites.moe.parts.activation import FAMILIES
 from onnx_moe_fuse.rewrites.moe.parts.combine import combine_pattern
-from onnx_moe_fuse.rewrites.moe.parts.facts import LayerParts, failure
+from onnx_moe_fuse.rewrites.moe.parts.facts import LayerParts
 from onnx_moe_fuse.rewrites.moe.parts.layer import escaping_value, recognise_layer
 from onnx_moe_fuse.rewrites.moe.parts.routing import routing_pattern
 from onnx_moe_fuse.rewrites.moe.rows_analysis import analyse_rows_layer
@@ -194,25 +197,23 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         if parts.family != self.family:
             # another rule of this combine fuses it; failing with the same words as that rule
             # would on a refusal keeps one near miss per layer (the proof above raised it)
-            raise failure(
-                "activation",
+            raise Refusal(
                 f"the activation is {parts.activation.kind} ({parts.family} family), which "
                 f"another rule of this combine fuses",
                 parts.activation.output,
+                part="activation",
             )
         return plan
 
     def check(self, context, **bindings) -> pattern.MatchResult:
         """Prove the rewrite equivalent; a failure names the part and the reason in plain words."""
         del context  # the layer's nodes are the recognised parts', not the small pattern's
-        result = pattern.MatchResult()
         try:
             self._plan(bindings)
-        except Refusal as refusal:
-            part = refusal_part(refusal)
-            reason = f"{part}: {refusal.reason}" if part else refusal.reason
-            return result.fail(reason, list(refusal.failure_sources))
-        return result
+        except _basics.MatchFailureError as error:
+            # the failure reads "part: reason" and carries the refusal for a tracer
+            return Refusal.of(error).fail()
+        return pattern.MatchResult()
 
     def rewrite(self, op, **bindings):
         """Emit one ``com.microsoft.MoE``/``QMoE`` node (weights repacked, attributes explicit)."""

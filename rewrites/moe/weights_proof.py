@@ -24,13 +24,13 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     normalize_axes,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import lead_dims
 from onnx_moe_fuse.rewrites.moe.plan import (
     FLOAT_TYPES,
     QUANT_TYPES,
     ExpertWeights,
     bound_node,
-    refuse,
 )
 from onnx_moe_fuse.rewrites.moe.routing_proof import (
     dims_text,
@@ -54,9 +54,9 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
     """
     assert layout in WEIGHT_LAYOUTS
     if w is None:
-        raise refuse(f"{role} expert weights are missing")
+        raise Refusal(f"{role} expert weights are missing")
     if w.is_graph_input():
-        raise refuse(
+        raise Refusal(
             f"{role} expert weights not constant: '{value_label(w)}' is a graph input, so they "
             "cannot be repacked into the fused layout at fusion time",
             w,
@@ -64,13 +64,13 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
     arr = const_array(w)
     if arr is not None:
         if arr.ndim != 3:
-            raise refuse(
+            raise Refusal(
                 f"{role} expert weights '{value_label(w)}' are not [E, {', '.join(layout.upper())}]",
                 w,
             )
         dtype = ir.DataType.from_numpy(arr.dtype)
         if dtype not in FLOAT_TYPES:
-            raise refuse(
+            raise Refusal(
                 f"{role} expert weights '{value_label(w)}' have type {dtype.name}; MoE takes "
                 "float32/float16",
                 w,
@@ -82,7 +82,7 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
     if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
         source, chain = _layout_source(w)
         if chain and source.is_graph_input():
-            raise refuse(
+            raise Refusal(
                 f"{role} expert weights not constant: they reach the projection through "
                 + " of ".join(f"a {n.op_type} '{label(n)}'" for n in chain)
                 + f" of graph input '{value_label(source)}', so they cannot be repacked into "
@@ -90,7 +90,7 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
                 chain[0],
             )
         what = "a graph input" if node is None else f"computed by {node.op_type} '{label(node)}'"
-        raise refuse(
+        raise Refusal(
             f"{role} expert weights not constant: '{value_label(w)}' is {what}, so they cannot "
             "be repacked into the fused layout at fusion time",
             w,
@@ -127,7 +127,7 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     q, s = const_array(x_v), const_array(s_v)
     z = const_array(z_v) if z_v is not None else None
     if q is None or s is None or (z_v is not None and z is None):
-        raise refuse(
+        raise Refusal(
             f"{role} quantized weights not constant: an input of DequantizeLinear '{label(dq)}' "
             "is not an initializer",
             dq,
@@ -136,7 +136,7 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     if qtype is None:
         qtype = ir.DataType.from_numpy(q.dtype)
     if qtype not in QUANT_TYPES:
-        raise refuse(
+        raise Refusal(
             f"{role} weights are {qtype.name} behind DequantizeLinear '{label(dq)}'; QMoE takes "
             "int4/uint4/int8/uint8",
             dq,
@@ -144,11 +144,11 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     bits, signed = QUANT_TYPES[qtype]
     dims = ", ".join(layout.upper())
     if q.ndim != 3:
-        raise refuse(f"{role} quantized weights of '{label(dq)}' are not [E, {dims}]", dq)
+        raise Refusal(f"{role} quantized weights of '{label(dq)}' are not [E, {dims}]", dq)
     axis = attr_int(dq, "axis", 1)
     assert axis is not None
     if not -3 <= axis < 3:
-        raise refuse(f"DequantizeLinear '{label(dq)}' has axis {axis} on rank-3 weights", dq)
+        raise Refusal(f"DequantizeLinear '{label(dq)}' has axis {axis} on rank-3 weights", dq)
     ax = axis % 3  # from here on, in K-major terms: 0 experts, 1 K, 2 N
     if layout == "nk":
         q = q.transpose(0, 2, 1)
@@ -158,21 +158,21 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     out_dtype = attr_int(dq, "output_dtype", 0) or 0
     dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(s.dtype)
     if dtype not in FLOAT_TYPES or ir.DataType.from_numpy(s.dtype) != dtype:
-        raise refuse(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
+        raise Refusal(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
     block = attr_int(dq, "block_size", 0) or 0
     if block:
         if ax != 1:
-            raise refuse(
+            raise Refusal(
                 f"{role} weights are blocked along axis {axis} by '{label(dq)}'; QMoE blocks "
                 f"along the reduction axis K (axis {1 if layout == 'kn' else 2} of [E, {dims}])",
                 dq,
             )
         if s.shape != (e, -(-kk // block), n):
-            raise refuse(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+            raise Refusal(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
         scales = s
         if kk % block:
             if block < kk:
-                raise refuse(
+                raise Refusal(
                     f"{role} block size {block} does not divide K = {kk} ('{label(dq)}')", dq
                 )
             block = 0  # one partial block over K: one scale per expert and output channel
@@ -184,13 +184,13 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
         elif ax == 0 and s.shape == (e,):
             scales = np.broadcast_to(s.reshape(e, 1, 1), (e, 1, n))
         else:
-            raise refuse(
+            raise Refusal(
                 f"{role} weights have one scale per input channel (axis {axis}) in "
                 f"'{label(dq)}'; QMoE scales are per output channel or blocked along K",
                 dq,
             )
     else:
-        raise refuse(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+        raise Refusal(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
     sym = 0 if signed else 1 << (bits - 1)
     if z is None:
         zp_ok = signed
@@ -201,7 +201,7 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
         bad = bad[bad != sym]
         zp_text = f"e.g. {int(bad.reshape(-1)[0])}" if bad.size else str(sym)
     if not zp_ok:
-        raise refuse(
+        raise Refusal(
             f"asymmetric zero point: {role} weights ({qtype.name}, DequantizeLinear "
             f"'{label(dq)}') have zero points {zp_text}, not the symmetric {sym}; the QMoE "
             "kernels take symmetric weights only",
@@ -229,13 +229,13 @@ def expert_bias(
         return None
     arr = const_array(bv)
     if arr is None:
-        raise refuse(f"{role} expert bias '{value_label(bv)}' is not constant", bv)
+        raise Refusal(f"{role} expert bias '{value_label(bv)}' is not constant", bv)
     if arr.shape != (e, n):
-        raise refuse(
+        raise Refusal(
             f"{role} expert bias '{value_label(bv)}' has shape {arr.shape}, not {(e, n)}", bv
         )
     if ir.DataType.from_numpy(arr.dtype) != dtype:
-        raise refuse(f"{role} expert bias '{value_label(bv)}' has type {arr.dtype}", bv)
+        raise Refusal(f"{role} expert bias '{value_label(bv)}' has type {arr.dtype}", bv)
     return arr
 
 
@@ -245,7 +245,7 @@ def expert(
     """Prove one projection ``[*, k, N]`` of the selected experts; return its weights."""
     idx = b.get(f"{tag}_indices")
     if idx is not topk_idx:
-        raise refuse(
+        raise Refusal(
             f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
             f"'{value_label(topk_idx)}'",
             idx,
@@ -258,7 +258,7 @@ def expert(
     if gmm is not None:
         if not per_slot:
             if r != 2:
-                raise refuse(f"{role}: GroupedMatMul takes rank-2 tokens [M, K]", gmm)
+                raise Refusal(f"{role}: GroupedMatMul takes rank-2 tokens [M, K]", gmm)
         else:
             rows, ridx, unflat = (
                 bound_node(b, f"{tag}_{s}") for s in ("rows", "row_idx", "unflat")
@@ -275,7 +275,7 @@ def expert(
                 if shape is not None:
                     got = reshape_dims(dims_in, shape, attr_int(node, "allowzero", 0) or 0)
                 if got != want:
-                    raise refuse(
+                    raise Refusal(
                         f"{role}: Reshape '{label(node)}' (shape {shape}) does not flatten or "
                         f"restore the (token, slot) rows consistently (from {dims_text(dims_in)} it "
                         f"must make {dims_text(want)})",
@@ -290,23 +290,23 @@ def expert(
     drop = bound_node(b, f"{tag}_drop")
     assert gather is not None and mm is not None and lhs_unsq is not None and drop is not None
     if attr_int(gather, "axis", 0) != 0:
-        raise refuse(
+        raise Refusal(
             f"{role}: Gather '{label(gather)}' does not select along the expert axis", gather
         )
     axes = node_axes(lhs_unsq)
     if per_slot:
         # [*, k, K] -> [*, k, 1, K]
         if axes is None or normalize_axes(axes, r + 2) != [r]:
-            raise refuse(
+            raise Refusal(
                 f"{role}: Unsqueeze '{label(lhs_unsq)}' does not add the row axis (axes {axes})",
                 lhs_unsq,
             )
         if bound_node(b, f"{tag}_expand") is not None:
-            raise refuse(f"{role}: unexpected Expand of the per-slot inputs", mm)
+            raise Refusal(f"{role}: unexpected Expand of the per-slot inputs", mm)
     else:
         # [*, K] -> [*, 1, 1, K] (-> Expand [*, k, 1, K])
         if axes is None or sorted(normalize_axes(axes, r + 2) or []) != [r - 1, r]:
-            raise refuse(
+            raise Refusal(
                 f"{role}: Unsqueeze '{label(lhs_unsq)}' does not add the slot and row axes "
                 f"(axes {axes})",
                 lhs_unsq,
@@ -315,7 +315,7 @@ def expert(
         if expand is not None:
             shape = const_ints(expand.inputs[1])
             if shape is None or len(shape) > r + 2:
-                raise refuse(
+                raise Refusal(
                     f"{role}: Expand '{label(expand)}' has no usable constant shape", expand
                 )
             padded = [1] * (r + 2 - len(shape)) + shape
@@ -324,7 +324,7 @@ def expert(
             ok = ok and padded[r - 1] in (1, k)
             ok = ok and padded[r] == 1 and padded[r + 1] in (1, kk)
             if not ok:
-                raise refuse(
+                raise Refusal(
                     f"{role}: Expand '{label(expand)}' (shape {shape}) does not just repeat each "
                     "token over the k slots",
                     expand,
@@ -332,7 +332,7 @@ def expert(
     if drop.op_type == "Squeeze":
         axes = node_axes(drop)
         if axes is None or normalize_axes(axes, r + 2) != [r]:
-            raise refuse(f"{role}: Squeeze '{label(drop)}' does not drop the row axis", drop)
+            raise Refusal(f"{role}: Squeeze '{label(drop)}' does not drop the row axis", drop)
     else:
         shape = const_ints(drop.inputs[1])
         got = None
@@ -341,7 +341,7 @@ def expert(
                 [*lead, kd, Dim.of(1), Dim.of(n)], shape, attr_int(drop, "allowzero", 0) or 0
             )
         if got != [*lead, kd, Dim.of(n)]:
-            raise refuse(
+            raise Refusal(
                 f"{role}: Reshape '{label(drop)}' (shape {shape}) does not just drop the row axis "
                 f"(from {dims_text([*lead, kd, Dim.of(1), Dim.of(n)])} it must make "
                 f"{dims_text([*lead, kd, Dim.of(n)])})",
@@ -351,11 +351,11 @@ def expert(
     bg = bound_node(b, f"{tag}_bias_gather")
     if bg is not None:
         if attr_int(bg, "axis", 0) != 0:
-            raise refuse(
+            raise Refusal(
                 f"{role}: bias Gather '{label(bg)}' does not select along the expert axis", bg
             )
         if b.get(f"{tag}_bias_indices") is not topk_idx:
-            raise refuse(f"{role}: the bias is selected with other indices than the weights", bg)
+            raise Refusal(f"{role}: the bias is selected with other indices than the weights", bg)
         bias = expert_bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
     return with_bias(ew, bias)
 

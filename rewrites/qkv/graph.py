@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _basics, pattern
+from onnxscript.rewriter import pattern
 
 from onnx_moe_fuse.contract.ops import MATMUL_NBITS_QKV, MS_DOMAIN
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_float
@@ -45,11 +45,8 @@ BITS = 4
 ROLES = ("q", "k", "v")
 KERNEL_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 PRECISION = {ir.DataType.FLOAT16: 1, ir.DataType.FLOAT: 2, ir.DataType.DOUBLE: 3}
-# Reasons the matcher gives; near_misses() reports those that start with this prefix.
+# How the matcher's refusal of a norm with other than three projections begins.
 COUNT_PREFIX = "the RMS-normalised value"
-
-Refusal = _basics.MatchFailureError
-
 
 # Constants and attributes are read exactly as the MoE rules read them.
 const = const_array

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.qkv.graph import (
     attr_or,
     const,
@@ -29,7 +30,6 @@ from onnx_moe_fuse.rewrites.qkv.graph import (
 from onnx_moe_fuse.rewrites.qkv.projections import (
     check_last_axis,
     precise_enough,
-    refuse,
 )
 
 
@@ -55,7 +55,7 @@ def decomposed_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) ->
     if x_type is None and not casts:
         x_type = dtype  # no Cast anywhere: every value of the chain has normed's type
     if x_type != dtype:
-        raise refuse(
+        raise Refusal(
             f"the norm's input {item_label(x)} is {dtype_name(x_type)}, but the projections compute "
             f"in {dtype_name(dtype)} (the fused node reads A in the projections' type)",
             x,
@@ -66,10 +66,10 @@ def decomposed_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) ->
     mul_type = ir.DataType(int_attr(nc.producer(), "to", 0)) if nc is not None else compute
     precise_enough(anchor, mul_type, dtype, "the scale multiplication")
     if anchor.op_type == "Cast" and int_attr(anchor, "to", 0) != dtype:
-        raise refuse(f"{item_label(anchor)}: casts to another type than the projections'", anchor)
+        raise Refusal(f"{item_label(anchor)}: casts to another type than the projections'", anchor)
     pow_exp = b.get("pow_exponent")
     if b.get("sq_pow") is not None and const_scalar(pow_exp) != 2.0:
-        raise refuse(
+        raise Refusal(
             f"{item_label(b['sq_pow'].producer())}: the power is {const_scalar(pow_exp)}, not 2",
             b["sq_pow"].producer(),
         )
@@ -77,24 +77,26 @@ def decomposed_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) ->
     axes_v = b.get("rm_axes")
     axes = const(axes_v) if axes_v is not None else None
     if axes_v is not None and axes is None:
-        raise refuse(f"{item_label(rm)}: its axes {item_label(axes_v)} are not constant", rm)
+        raise Refusal(f"{item_label(rm)}: its axes {item_label(axes_v)} are not constant", rm)
     axes_list = (
         [int(a) for a in axes.reshape(-1)] if axes is not None else attr_or(rm, "axes", None)
     )
     if not axes_list or len(axes_list) != 1:
-        raise refuse(f"{item_label(rm)}: reduces over axes {axes_list}, not the last axis only", rm)
+        raise Refusal(
+            f"{item_label(rm)}: reduces over axes {axes_list}, not the last axis only", rm
+        )
     check_last_axis(rm, int(axes_list[0]), rank, "reduces over")
     if int_attr(rm, "keepdims", 1) != 1:
-        raise refuse(f"{item_label(rm)}: keepdims=0 (the mean does not broadcast back)", rm)
+        raise Refusal(f"{item_label(rm)}: keepdims=0 (the mean does not broadcast back)", rm)
     eps = const_scalar(b.get("epsilon"))
     if eps is None:
-        raise refuse(
+        raise Refusal(
             f"the epsilon added to the mean square ({item_label(b.get('epsilon'))}) is not a "
             "constant scalar",
             b["mean_sq"].producer(),
         )
     if b.get("inv_div") is not None and const_scalar(b.get("one")) != 1.0:
-        raise refuse(
+        raise Refusal(
             f"{item_label(b['inv_div'].producer())}: divides {const_scalar(b.get('one'))}, not 1, "
             "by the RMS",
             b["inv_div"].producer(),
@@ -112,7 +114,7 @@ def op_norm_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -> _N
     if node.op_type == "SkipSimplifiedLayerNormalization":
         x = b["a"]
         if b.get("ssln_bias") is not None:
-            raise refuse(
+            raise Refusal(
                 f"{item_label(node)}: SkipSimplifiedLayerNormalization with a bias input; "
                 "MatMulNBitsQkv adds none",
                 node,
@@ -125,14 +127,14 @@ def op_norm_facts(b: dict[str, Any], dtype: ir.DataType, rank: int | None) -> _N
         check_last_axis(node, int_attr(node, "axis", -1), rank, "normalises over")
         stash = int_attr(node, "stash_type", 1)
         if stash != 1:
-            raise refuse(
+            raise Refusal(
                 f"{item_label(node)}: stash_type={stash}; the fused node computes the norm in "
                 "float32 (stash_type 1)",
                 node,
             )
     x_type = elem_type(x)
     if x_type != dtype:
-        raise refuse(
+        raise Refusal(
             f"the norm's input {item_label(x)} is {dtype_name(x_type)}, but the projections compute "
             f"in {dtype_name(dtype)}",
             x,
@@ -147,7 +149,7 @@ def fused_scale(facts: _NormFacts, dtype: ir.DataType, k: int) -> ir.Value | np.
         return scale
     arr = const(scale)
     if arr is None:
-        raise refuse(
+        raise Refusal(
             f"the norm scale {item_label(scale)} ({dtype_name(facts.scale_dtype)}, shape "
             f"{static_dims(scale)}) cannot be proven to be [K] = [{k}] of {dtype_name(dtype)}",
             scale,
@@ -155,13 +157,13 @@ def fused_scale(facts: _NormFacts, dtype: ir.DataType, k: int) -> ir.Value | np.
     if arr.size == 1:
         arr = np.full((k,), arr.reshape(-1)[0], dtype=arr.dtype)
     elif arr.size != k or any(d != 1 for d in arr.shape[:-1]) or arr.shape[-1] != k:
-        raise refuse(
+        raise Refusal(
             f"the norm scale {item_label(scale)} has shape {list(arr.shape)}, not [K] = [{k}]",
             scale,
         )
     out = arr.reshape(k).astype(np_dtype(dtype))
     if not np.array_equal(out.astype(np.float64), arr.reshape(k).astype(np.float64)):
-        raise refuse(
+        raise Refusal(
             f"the norm scale {item_label(scale)} is {dtype_name(ir.DataType.from_numpy(arr.dtype))}"
             f" and not exactly representable in {dtype_name(dtype)}",
             scale,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import onnx_ir as ir
 from onnxscript.rewriter import _basics, _matcher, pattern
 
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.qkv.graph import (
     COUNT_PREFIX,
     MS_DOMAIN,
@@ -168,8 +169,11 @@ class PreludeMatcher(_matcher.SimplePatternMatcher):
             return match
         normed = node.outputs[0]
         found = _projection_consumers(normed)
+        if not found:  # a norm no projection reads is no candidate: a plain failure
+            return match.fail(_count_reason(normed, found), [node])
         if len(found) != 3:
-            return match.fail(_count_reason(normed, found), [node, *found])
+            # a typed refusal: the one matcher failure that is a near miss (rule.near_misses)
+            return Refusal(_count_reason(normed, found), node, *found).fail(match)
         wanted = [pn.op_identifier() for pn in slots]
         for order in itertools.permutations(found):
             if [n.op_identifier() for n in order] != wanted:

@@ -14,12 +14,12 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.contract.ops import MATMUL_NBITS
 from onnx_moe_fuse.contract.packing import pack_matmul_nbits, unpack_bits, zero_point
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.qkv.graph import (
     BITS,
     BLOCK,
     KERNEL_DTYPES,
     PRECISION,
-    Refusal,
     const,
     dtype_name,
     elem_type,
@@ -87,14 +87,10 @@ class Plan:
         }
 
 
-def refuse(reason: str, *sources: ir.Node | ir.Value | None) -> Refusal:
-    return Refusal(reason, *[s for s in sources if s is not None])
-
-
 def _check_zero_points_nbits(proj: ir.Node, zp: ir.Value, n: int, kb: int) -> None:
     arr = const(zp)
     if arr is None:
-        raise refuse(
+        raise Refusal(
             f"{item_label(proj)}: its zero points {item_label(zp)} are not constant, so they cannot be "
             "proven symmetric (all 8)",
             proj,
@@ -103,14 +99,14 @@ def _check_zero_points_nbits(proj: ir.Node, zp: ir.Value, n: int, kb: int) -> No
     if arr.dtype == np.uint8:
         per_row = -(-kb * BITS // 8)
         if arr.size != n * per_row:
-            raise refuse(
+            raise Refusal(
                 f"{item_label(proj)}: zero points of unexpected shape {arr.shape}", proj, zp
             )
         points = unpack_bits(arr.reshape(n, per_row), BITS)[:, :kb]
     else:
         points = arr.astype(np.float64).reshape(-1)
     if not np.all(points == zero_point(BITS)):
-        raise refuse(
+        raise Refusal(
             f"{item_label(proj)}: asymmetric zero points (not all 8); MatMulNBitsQkv has no "
             "zero-point inputs, its 4-bit weights are symmetric (zero point 8)",
             proj,
@@ -128,28 +124,28 @@ def _nbits_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any],
         int_attr(node, "block_size", None),
     )
     if k is None or n is None or bs is None:
-        raise refuse(f"{label}: MatMulNBits without its K, N or block_size attribute", node)
+        raise Refusal(f"{label}: MatMulNBits without its K, N or block_size attribute", node)
     if int_attr(node, "weight_prepacked", MATMUL_NBITS.default("weight_prepacked")):
-        raise refuse(f"{label}: weight_prepacked=1 (an execution-provider layout)", node)
+        raise Refusal(f"{label}: weight_prepacked=1 (an execution-provider layout)", node)
     if bits != BITS:
-        raise refuse(
+        raise Refusal(
             f"{label}: {bits}-bit weights (bits={bits}); MatMulNBitsQkv's kernels take 4-bit "
             "weights only",
             node,
         )
     if bs != BLOCK:
-        raise refuse(
+        raise Refusal(
             f"{label}: quantised with block_size {bs} along K; MatMulNBitsQkv's kernels take "
             f"block_size {BLOCK} only",
             node,
         )
     if bias is not None:
-        raise refuse(f"{label}: has a bias input; MatMulNBitsQkv's kernels add none", node, bias)
+        raise Refusal(f"{label}: has a bias input; MatMulNBitsQkv's kernels add none", node, bias)
     kb = -(-k // bs)
     if g_idx is not None:
         arr = const(g_idx)
         if arr is None or not np.array_equal(arr.reshape(-1), np.arange(k) // bs):
-            raise refuse(
+            raise Refusal(
                 f"{label}: an act-order g_idx ({item_label(g_idx)}) that is not the plain k // "
                 f"{bs} block order",
                 node,
@@ -159,10 +155,10 @@ def _nbits_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any],
         _check_zero_points_nbits(node, zp, n, kb)
     b_type = elem_type(b)
     if b_type is not None and b_type != ir.DataType.UINT8:
-        raise refuse(f"{label}: B is {dtype_name(b_type)}, not uint8", node, b)
+        raise Refusal(f"{label}: B is {dtype_name(b_type)}, not uint8", node, b)
     b_shape = static_shape(b)
     if b_shape is not None and b_shape != (n, kb, bs * bits // 8):
-        raise refuse(
+        raise Refusal(
             f"{label}: B has shape {list(b_shape)}, not [N, k_blocks, blob] = "
             f"{[n, kb, bs * bits // 8]}",
             node,
@@ -170,13 +166,13 @@ def _nbits_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any],
         )
     dtype = elem_type(scales)
     if dtype is None:
-        raise refuse(f"{label}: cannot tell the element type of its scales", node, scales)
+        raise Refusal(f"{label}: cannot tell the element type of its scales", node, scales)
     s_shape = static_shape(scales)
     scales_out: ir.Value | np.ndarray = scales
     if s_shape != (n, kb):
         arr = const(scales)
         if arr is None or arr.size != n * kb:
-            raise refuse(
+            raise Refusal(
                 f"{label}: scales of shape {s_shape if s_shape is None else list(s_shape)} "
                 f"that cannot be proven to be [N, k_blocks] = {[n, kb]}",
                 node,
@@ -192,7 +188,7 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
     weight = bindings[f"p{s}_weight"]
     dq = weight.producer()
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain != "":
-        raise refuse(
+        raise Refusal(
             f"{label}: its weights {item_label(weight)} are not a DequantizeLinear output (float or "
             "otherwise quantised weights); MatMulNBitsQkv takes 4-bit blocked weights",
             node,
@@ -203,7 +199,7 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
     zp_v = dq.inputs[2] if len(dq.inputs) > 2 else None
     codes, scale = const(codes_v), const(scale_v)
     if codes is None or scale is None:
-        raise refuse(
+        raise Refusal(
             f"{label}: the DequantizeLinear weights or scales are not constant, so they cannot "
             "be repacked at fusion time (weights not constant)",
             node,
@@ -211,37 +207,37 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
         )
     ctype = elem_type(codes_v)
     if ctype in (ir.DataType.INT8, ir.DataType.UINT8):
-        raise refuse(
+        raise Refusal(
             f"{label}: 8-bit weights ({dtype_name(ctype)} behind DequantizeLinear); "
             "MatMulNBitsQkv's kernels take 4-bit weights only",
             node,
             dq,
         )
     if ctype not in (ir.DataType.INT4, ir.DataType.UINT4):
-        raise refuse(
+        raise Refusal(
             f"{label}: weights of type {dtype_name(ctype)} behind DequantizeLinear; "
             "MatMulNBitsQkv takes int4 / uint4 weights only",
             node,
             dq,
         )
     if codes.ndim != 2:
-        raise refuse(f"{label}: DequantizeLinear weights of rank {codes.ndim}, not [K, N]", dq)
+        raise Refusal(f"{label}: DequantizeLinear weights of rank {codes.ndim}, not [K, N]", dq)
     k, n = codes.shape
     axis = int_attr(dq, "axis", 1)
     bs = int_attr(dq, "block_size", 0)
     if not bs:
-        raise refuse(
+        raise Refusal(
             f"{label}: the weights are quantised per tensor or per channel, not in blocks of "
             f"{BLOCK} along K",
             node,
             dq,
         )
     if axis not in (0, -2):
-        raise refuse(
+        raise Refusal(
             f"{label}: the weights are blocked along axis {axis} (N), not along K", node, dq
         )
     if bs != BLOCK:
-        raise refuse(
+        raise Refusal(
             f"{label}: quantised with block_size {bs} along K; MatMulNBitsQkv's kernels take "
             f"block_size {BLOCK} only",
             node,
@@ -249,7 +245,7 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
         )
     kb = -(-k // bs)
     if scale.shape != (kb, n):
-        raise refuse(
+        raise Refusal(
             f"{label}: DequantizeLinear scale of shape {list(scale.shape)}, not [k_blocks, N] = "
             f"{[kb, n]}",
             node,
@@ -258,11 +254,11 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
     out_dtype = int_attr(dq, "output_dtype", 0)
     dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(scale.dtype)
     if out_dtype and ir.DataType.from_numpy(scale.dtype) != dtype:
-        raise refuse(f"{label}: DequantizeLinear output_dtype differs from its scale's", dq)
+        raise Refusal(f"{label}: DequantizeLinear output_dtype differs from its scale's", dq)
     signed = ctype == ir.DataType.INT4
     if zp_v is None:
         if not signed:
-            raise refuse(
+            raise Refusal(
                 f"{label}: asymmetric zero point: a uint4 DequantizeLinear without zero point has "
                 "zero point 0, not MatMulNBits' 8",
                 node,
@@ -271,14 +267,14 @@ def _dq_projection(node: ir.Node, output: ir.Value, bindings: dict[str, Any], s:
     else:
         zp = const(zp_v)
         if zp is None:
-            raise refuse(
+            raise Refusal(
                 f"{label}: the zero points are not constant, so they cannot be proven symmetric",
                 node,
                 zp_v,
             )
         want = 0 if signed else zero_point(BITS)
         if zp.size not in (1, kb * n) or not np.all(zp.astype(np.int64) == want):
-            raise refuse(
+            raise Refusal(
                 f"{label}: asymmetric zero points (not all {want} for "
                 f"{dtype_name(ctype)}); MatMulNBitsQkv's 4-bit weights are symmetric",
                 node,
@@ -303,21 +299,21 @@ def read_projections(bindings: dict[str, Any]) -> list[Projection]:
             projections.append(_dq_projection(node, output, bindings, s))
     ks = {p.k for p in projections}
     if len(ks) != 1:
-        raise refuse(
+        raise Refusal(
             "the projections disagree on K: "
             + ", ".join(f"{item_label(p.node)} K={p.k}" for p in projections),
             *[p.node for p in projections],
         )
     dtypes = {p.dtype for p in projections}
     if len(dtypes) != 1:
-        raise refuse(
+        raise Refusal(
             "the projections compute in different types: "
             + ", ".join(f"{item_label(p.node)} {dtype_name(p.dtype)}" for p in projections),
             *[p.node for p in projections],
         )
     dtype = projections[0].dtype
     if dtype not in KERNEL_DTYPES:
-        raise refuse(
+        raise Refusal(
             f"the projections compute in {dtype_name(dtype)}; MatMulNBitsQkv's kernels take "
             "float32 and float16",
             projections[0].node,
@@ -337,19 +333,19 @@ def check_last_axis(node: ir.Node, axis: int, rank: int | None, what: str) -> No
     if axis == -1 or (rank is not None and axis == rank - 1):
         return
     if rank is None and axis >= 0:
-        raise refuse(
+        raise Refusal(
             f"{item_label(node)}: {what} axis {axis}, and the input's rank is unknown, so it cannot "
             "be proven to be the last axis",
             node,
         )
-    raise refuse(f"{item_label(node)}: {what} axis {axis}, not the last axis", node)
+    raise Refusal(f"{item_label(node)}: {what} axis {axis}, not the last axis", node)
 
 
 def precise_enough(node: ir.Node, compute: ir.DataType | None, dtype: ir.DataType, what: str):
     if compute is None:
-        raise refuse(f"{item_label(node)}: cannot tell the type {what} is computed in", node)
+        raise Refusal(f"{item_label(node)}: cannot tell the type {what} is computed in", node)
     if PRECISION.get(compute, 0) < PRECISION[dtype]:
-        raise refuse(
+        raise Refusal(
             f"{item_label(node)}: {what} is computed in {dtype_name(compute)}, less precise than "
             f"the model's {dtype_name(dtype)} (the fused node computes in float32)",
             node,

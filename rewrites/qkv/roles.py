@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.qkv.graph import (
     MS_DOMAIN,
     ROLES,
@@ -20,7 +21,6 @@ from onnx_moe_fuse.rewrites.qkv.graph import (
 )
 from onnx_moe_fuse.rewrites.qkv.projections import (
     Projection,
-    refuse,
 )
 
 # -- Q, K and V --------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def assign_roles(projections: list[Projection], order: list[int]) -> dict[str, i
     labels = [item_label(p.node) for p in projections]
     nodes = [p.node for p in projections]
     if len(set(widths)) == 3:
-        raise refuse(
+        raise Refusal(
             "the three projections have different widths "
             + ", ".join(f"{lab} N={w}" for lab, w in zip(labels, widths, strict=True))
             + "; K and V must have the same width (Nkv)",
@@ -191,7 +191,7 @@ def assign_roles(projections: list[Projection], order: list[int]) -> dict[str, i
                 f"{labels[i]} is {'Q or K' if r == 'qk' else r.upper()}"
                 for i, r in evidence.items()
             )
-            raise refuse(
+            raise Refusal(
                 f"the {kind} ({said}) contradicts the widths "
                 + ", ".join(f"{lab} N={w}" for lab, w in zip(labels, widths, strict=True))
                 + " (K and V share one width)",
@@ -199,7 +199,7 @@ def assign_roles(projections: list[Projection], order: list[int]) -> dict[str, i
             )
         perms = kept
     if len({perm["q"] for perm in perms}) != 1:
-        raise refuse(
+        raise Refusal(
             f"cannot tell which projection is Q: all three have width {widths[0]} and nothing "
             "downstream (attention inputs, RoPE, value names) tells them apart",
             *nodes,

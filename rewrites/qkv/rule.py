@@ -48,7 +48,8 @@ the dead norm are left for a dead-code pass (``onnxscript.rewriter.rewrite`` run
 the fuser's pipeline), and a graph that does not match is left exactly as it was.
 
 Exports: :class:`MatMulNBitsQkvRule`, :func:`rules` (the rule set), :func:`rule_instances`,
-:func:`near_misses` (why each candidate norm did not fuse), :data:`FUSED_OP`,
+:func:`near_misses` (why each candidate norm did not fuse, as
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.NearMiss` records), :data:`FUSED_OP`,
 :data:`FUSED_ATTRIBUTES`, :data:`REPLACED_KEY`.
 """
 
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,9 +65,9 @@ import onnx_ir as ir
 from onnxscript.rewriter import _basics, pattern
 
 from onnx_moe_fuse.contract.ops import MATMUL_NBITS_QKV
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal, RefusalTracer, refusal_of
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 from onnx_moe_fuse.rewrites.qkv.graph import (
-    COUNT_PREFIX,
     FUSED_ATTRIBUTES,
     FUSED_OP,
     MS_DOMAIN,
@@ -75,7 +75,6 @@ from onnx_moe_fuse.rewrites.qkv.graph import (
     PROJECTION_MIXES,
     REPLACED_KEY,
     ROLES,
-    Refusal,
     item_label,
     pick,
     static_dims,
@@ -97,7 +96,6 @@ from onnx_moe_fuse.rewrites.qkv.projections import (
     Plan,
     first_rank,
     read_projections,
-    refuse,
 )
 from onnx_moe_fuse.rewrites.qkv.roles import (
     assign_roles,
@@ -110,8 +108,8 @@ __all__ = [
     "NORM_FORMS",
     "PROJECTION_MIXES",
     "REPLACED_KEY",
+    "PRELUDE",
     "MatMulNBitsQkvRule",
-    "NearMiss",
     "near_misses",
     "rule_instances",
     "rules",
@@ -136,7 +134,7 @@ def _analyse(b: dict[str, Any], form: str) -> Plan:
     else:
         facts = op_norm_facts(b, dtype, rank)
     if rank not in (2, 3):
-        raise refuse(
+        raise Refusal(
             f"the norm's input {item_label(facts.x)} has "
             + ("an unknown rank (run shape inference)" if rank is None else f"rank {rank}")
             + "; MatMulNBitsQkv takes [T, K] or [B, S, K]",
@@ -144,13 +142,13 @@ def _analyse(b: dict[str, Any], form: str) -> Plan:
         )
     last = static_dims(a_in)
     if last is not None and last[-1] != k:
-        raise refuse(
+        raise Refusal(
             f"the norm's input {item_label(a_in)} has last axis {last[-1]}, but the projections "
             f"have K={k}",
             a_in,
         )
     if not np.isfinite(facts.epsilon) or facts.epsilon < 0:
-        raise refuse(f"the norm's epsilon {facts.epsilon} is negative or not finite", anchor)
+        raise Refusal(f"the norm's epsilon {facts.epsilon} is negative or not finite", anchor)
     scale = fused_scale(facts, dtype, k)
 
     # What dies with the rewrite, and where A + skip comes from.
@@ -182,7 +180,7 @@ def _analyse(b: dict[str, Any], form: str) -> Plan:
                 a, skip = residual, None
         if skip is not None and not same_shape(b["a"], skip):
             if form.startswith("skip_sln"):
-                raise refuse(
+                raise Refusal(
                     f"{item_label(anchor)}: the skip {item_label(skip)} cannot be proven to have the "
                     f"input's shape (it may broadcast); MatMulNBitsQkv's skip must match A",
                     anchor,
@@ -272,12 +270,11 @@ class MatMulNBitsQkvRule(pattern.RewriteRuleClassBase):
     def check(self, context, **bindings) -> pattern.MatchResult:
         """Prove the rewrite equivalent; a failure names the reason in plain words."""
         del context
-        result = pattern.MatchResult()
         try:
             _analyse(bindings, self._form)
-        except Refusal as refusal:
-            return result.fail(refusal.reason, list(refusal.failure_sources))
-        return result
+        except _basics.MatchFailureError as error:
+            return Refusal.of(error).fail()  # carries the refusal for near_misses' tracer
+        return pattern.MatchResult()
 
     def rewrite(self, op, **bindings):
         """Emit one MatMulNBitsQkv after the norm; rewire Q, K, V (and the residual)."""
@@ -344,48 +341,40 @@ def rules(weight_sink: WeightSink | None = None) -> pattern.RewriteRuleSet:
 
 # -- explanations ------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class NearMiss:
-    """A norm whose projections did not fuse: the norm's node, the reason, the values named."""
-
-    rule: str
-    root: str
-    reason: str
-    values: tuple[str, ...]
-
-
-class _Recorder(_basics.MatchingTracer):
-    """Keeps every logged match (onnxscript's tracer keeps only the best-scoring ones)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, ir.Node, _basics.MatchResult, _basics.MatchStatus]] = []
-
-    def log(self, rule, container, node, match_result, status) -> None:  # type: ignore[override]
-        del container
-        self.records.append((str(rule), node, match_result, status))
+#: The part every near miss of these rules names: the prelude as a whole.
+PRELUDE = "attention prelude"
 
 
 def near_misses(model: onnx.ModelProto | ir.Model) -> list[NearMiss]:
     """Why each candidate norm did not fuse (a dry run: the model is not changed).
 
     A candidate is a norm whose match failed a check, or one read by other than three
-    projections (at least one). Norms that some rule instance would fuse are not reported.
+    projections (at least one): the matcher's one typed refusal. Norms that some rule instance
+    would fuse are not reported. One record per norm and reason, of part :data:`PRELUDE`.
     """
     if isinstance(model, onnx.ModelProto):
         model = ir.serde.deserialize_model(model)
-    recorder = _Recorder()
-    rules().apply_to_model(model, tracer=recorder)
-    fused = {id(node) for _, node, _, s in recorder.records if s == _basics.MatchStatus.SUCCESS}
+    tracer = RefusalTracer()
+    rules().apply_to_model(model, tracer=tracer)
+    fused = tracer.matched()
     found: dict[tuple[int, str], NearMiss] = {}
-    for rule, node, match, status in recorder.records:
+    for rule, node, match, status in tracer.logged:
         if id(node) in fused:
             continue
-        reason = match.reason or ""
+        refusal = refusal_of(match)
         if status == _basics.MatchStatus.CONDITION_FAILED or (
-            status == _basics.MatchStatus.NO_MATCH and reason.startswith(COUNT_PREFIX)
+            status == _basics.MatchStatus.NO_MATCH and refusal is not None
         ):
+            if refusal is None:  # onnxscript's own check failure
+                refusal = Refusal(match.reason or "", *match.failure_nodes_and_values)
             values = tuple(item_label(v) for v in match.failure_nodes_and_values)
-            found.setdefault((id(node), reason), NearMiss(rule, item_label(node), reason, values))
+            miss = NearMiss.of(
+                refusal,
+                rule=rule,
+                values=values,
+                node=item_label(node),
+                root=item_label(node),
+                part=PRELUDE,
+            )
+            found.setdefault((id(node), match.reason or ""), miss)
     return list(found.values())

@@ -17,11 +17,11 @@ from onnx import helper
 
 from onnx_moe_fuse import fuse
 from onnx_moe_fuse.pipeline.splice import (
-    SpliceRefusal,
     origin_tail,
     splice_fused_node,
     tag_origin,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.samples import get_sample
 from onnx_moe_fuse.verify.ort_nodes import session
 from onnx_moe_fuse.verify.reference import random_feeds, run_reference
@@ -129,8 +129,9 @@ def test_splice_refuses_a_region_that_reads_a_graph_input() -> None:
     fake = ir.Node("com.microsoft", "MoE", [logits], num_outputs=1, name="fake")
     work.graph.append(fake)
     before = ir.serde.serialize_model(model).SerializeToString()
-    with pytest.raises(SpliceRefusal, match="graph input"):
+    with pytest.raises(Refusal, match="graph input") as info:
         splice_fused_node(model, fake, "y")
+    assert info.value.part == "region" and info.value.value.name == "x"
     assert ir.serde.serialize_model(model).SerializeToString() == before
 
 
@@ -142,11 +143,40 @@ def test_a_failing_canonicalisation_pass_is_skipped_and_reported(monkeypatch) ->
 
     import onnx_moe_fuse.pipeline.canonicalise as canon
 
-    monkeypatch.setattr(canon, "canonicalisation_passes", lambda: [Broken()])
+    monkeypatch.setattr(canon, "canonicalisation_passes", lambda refusals=None: [Broken()])
     s = get_sample(SAMPLE)
     result = fuse(s.model)
     assert [f["op"] for f in result.report.fusions] == ["MoE"]
     assert any("Broken" in line and "boom" in line for line in result.report.canonicalisation)
+
+
+def test_recorded_refusals_are_those_of_the_last_canonicalisation_run(monkeypatch) -> None:
+    """A pass that fails makes the sequence re-run on a fresh copy: earlier records are dropped."""
+
+    class Records(ir.passes.InPlacePass):
+        def __init__(self, refusals) -> None:
+            super().__init__()
+            self.refusals = refusals
+
+        def call(self, model):  # noqa: D102
+            topk = next(n for n in model.graph if n.op_type == "TopK")
+            self.refusals.append(Refusal("left as it was").recorded_by("expert-loop", topk))
+            return ir.passes.PassResult(model, modified=False)
+
+    class Broken(ir.passes.InPlacePass):
+        def call(self, model):  # noqa: D102
+            raise RuntimeError("boom")
+
+    import onnx_moe_fuse.pipeline.canonicalise as canon
+
+    monkeypatch.setattr(
+        canon, "canonicalisation_passes", lambda refusals=None: [Records(refusals), Broken()]
+    )
+    work = ir.serde.deserialize_model(get_sample(SAMPLE).model)
+    refusals: list[Refusal] = []
+    assert len(canon.canonicalise(work, refusals)) == 1
+    [refusal] = refusals  # the first run's record named a node of the graph it dropped
+    assert refusal.topk.graph is work.graph and refusal.stage == "expert-loop"
 
 
 def test_fused_model_keeps_every_node_outside_the_region() -> None:
@@ -192,7 +222,7 @@ def test_splice_refuses_a_kept_shape_of_a_replaced_value() -> None:
     model, work, fake = _toy_layer()
     work.graph.append(fake)
     before = ir.serde.serialize_model(model).SerializeToString()
-    with pytest.raises(SpliceRefusal, match="reads 'h', which the fused node replaces"):
+    with pytest.raises(Refusal, match="reads 'h', which the fused node replaces"):
         splice_fused_node(model, fake, "y")
     assert ir.serde.serialize_model(model).SerializeToString() == before
 

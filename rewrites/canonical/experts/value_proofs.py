@@ -24,7 +24,6 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_ints, node_axes
 
 __all__ = [
-    "SortedRefusal",
     "const_shape",
     "small_const",
     "uses",
@@ -38,10 +37,6 @@ __all__ = [
 ]
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-
-
-class SortedRefusal(Exception):
-    """A sorted-experts block is not proved; ``args[0]`` says why in plain words."""
 
 
 def uses(value: ir.Value) -> list[ir.Node]:

@@ -13,8 +13,8 @@ Families (each a few small patterns rooted at the activation's output)::
 
 The identity (FC2 reads FC1 directly) is no pattern: the layer recogniser takes it when the
 activation is itself an FC1 projection. :func:`recognise_activation` returns an
-:class:`~.facts.ActivationFact` or raises a :class:`~.facts.PartFailure` of part
-``activation``, naming what it found (a Sigmoid that reads the up projection instead of the
+:class:`~.facts.ActivationFact` or raises a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`
+of part ``activation``, naming what it found (a Sigmoid that reads the up projection instead of the
 gate, for instance). The constants (clamp limits, alpha, beta, the cut columns) are proved by the
 layer proof.
 """
@@ -28,8 +28,9 @@ from onnxscript.rewriter import pattern
 
 from onnx_moe_fuse.contract.ops import MS_DOMAIN
 from onnx_moe_fuse.rewrites.graph.facts import const_array, label, value_label
-from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match
-from onnx_moe_fuse.rewrites.moe.parts.facts import ActivationFact, failure, half_precision
+from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellings
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.moe.parts.facts import ActivationFact, half_precision
 
 __all__ = ["FAMILIES", "MS_DOMAIN", "identity_activation", "recognise_activation"]
 
@@ -227,17 +228,18 @@ def _diagnose(act: ir.Value):
             continue
         gate, sig_src = _through_scaling(multiplied), _through_scaling(read)
         if sig_src is not gate and read is not multiplied:
-            return failure(
-                "activation",
+            return Refusal(
                 f"the Sigmoid '{label(sigmoid)}' reads '{value_label(read)}', not the gate "
                 f"'{value_label(multiplied)}' it multiplies: SwiGLU and SiLU take the sigmoid "
                 "of the gate itself (gate * sigmoid(alpha * gate)), so gate and up may be swapped",
                 sigmoid,
+                part="activation",
             )
     what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
-    return failure(
-        "activation",
+    return Refusal(
         f"the activation '{value_label(act)}' ({what}) that FC2 reads is not one the fused ops "
         "take (relu, tanh gelu, silu, SwiGLU, or FC1's output itself)",
         node if node is not None else act,
+        part="activation",
+        expected=" | ".join(spellings(_PATTERNS[f]) for f in FAMILIES),
     )

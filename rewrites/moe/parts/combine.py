@@ -22,7 +22,8 @@ from onnxscript.rewriter import pattern
 
 from onnx_moe_fuse.rewrites.graph.facts import label
 from onnx_moe_fuse.rewrites.graph.match import PartPattern
-from onnx_moe_fuse.rewrites.moe.parts.facts import CombineFact, failure
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.moe.parts.facts import CombineFact
 
 __all__ = ["COMBINE_FORMS", "SLOT_COMBINES", "combine_pattern", "recognise_combine"]
 
@@ -88,10 +89,11 @@ def recognise_combine(root: ir.Node, form: str | None = None) -> CombineFact:
             nodes=match.nodes,
             bindings=b,
         )
-    raise failure(
-        "combine",
+    raise Refusal(
         f"{root.op_type} '{label(root)}' is not a weighted sum over the k slots ("
         + ", ".join(forms)
         + ")",
         root,
+        part="combine",
+        expected=" | ".join(_PATTERNS[f].name for f in forms),
     )

@@ -1,10 +1,12 @@
-"""The typed facts the part recognisers return, and the one failure type they raise.
+"""The typed facts the part recognisers return.
 
 A mixture-of-experts layer is recognised part by part (see :mod:`onnx_moe_fuse.rewrites.moe.parts`):
-each recogniser returns a frozen fact about its part, or raises :class:`PartFailure` naming the
-part, the node or value at fault and the reason in plain words. :class:`LayerParts` composes the
-facts of one layer; the layer proofs (``_moe_analysis``, ``_moe_rows_analysis``) read its
-:attr:`LayerParts.bindings`, the names the recognisers bound, and prove the meaning.
+each recogniser returns a frozen fact about its part, or raises a
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the part, the node or value at
+fault and the reason in plain words (:func:`half_precision` builds the one for a float16 part).
+:class:`LayerParts` composes the facts of one layer; the layer proofs (:mod:`..analysis`,
+:mod:`..rows_analysis`) read its :attr:`LayerParts.bindings`, the names the recognisers bound,
+and prove the meaning.
 
 Every fact keeps ``nodes``, the graph nodes its part matched, so a layer's region (what a fused
 node replaces, and what must not escape it) is the union over its parts.
@@ -19,72 +21,24 @@ from typing import Any
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.graph.facts import Refusal, label, value_label
+from onnx_moe_fuse.rewrites.graph.facts import value_label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = [
     "ActivationFact",
     "CombineFact",
     "LayerParts",
-    "PartFailure",
     "ProjectionFact",
     "RoutingFact",
-    "failure",
     "half_precision",
 ]
-
-
-class PartFailure(Refusal):
-    """A part of a layer that is not what the fused ops compute: part, node, value, reason.
-
-    The one failure type of the layer recognisers and proofs (a subclass of onnxscript's
-    ``MatchFailureError``, so a rule's ``check`` may raise it). ``part`` is None until the
-    proof step it was raised in tags it (``_moe_analysis.part``); the first tag wins.
-    """
-
-    def __init__(self, part: str | None, reason: str, *sources: ir.Node | ir.Value | None) -> None:
-        """A failure of ``part`` for ``reason``, about the nodes/values ``sources``."""
-        super().__init__(reason, *[s for s in sources if s is not None])
-        self.part = part
-
-    @property
-    def node(self) -> ir.Node | None:
-        """The first node the failure names (a named value's producer otherwise)."""
-        for s in self.failure_sources:
-            if isinstance(s, ir.Node):
-                return s
-        for s in self.failure_sources:
-            if isinstance(s, ir.Value) and s.producer() is not None:
-                return s.producer()
-        return None
-
-    @property
-    def value(self) -> ir.Value | None:
-        """The first value the failure names, None when it names nodes only."""
-        return next((s for s in self.failure_sources if isinstance(s, ir.Value)), None)
-
-    def message(self) -> str:
-        """``"part: reason"``, the text a rule's ``check`` fails with (near misses split it)."""
-        return f"{self.part}: {self.reason}" if self.part else self.reason
-
-    def where(self) -> str:
-        """The node or value at fault, for reports: ``"node 'MatMul_12'"``."""
-        if self.node is not None:
-            return f"node '{label(self.node)}'"
-        if self.value is not None:
-            return f"value '{value_label(self.value)}'"
-        return "the layer"
-
-
-def failure(part: str, reason: str, *sources: ir.Node | ir.Value | None) -> PartFailure:
-    """A :class:`PartFailure` of ``part`` (to ``raise``)."""
-    return PartFailure(part, reason, *sources)
 
 
 _HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
 
 
-def half_precision(part: str, value: ir.Value) -> PartFailure | None:
-    """A failure naming the dtype when ``value`` is a Cast of a half-precision value.
+def half_precision(part: str, value: ir.Value) -> Refusal | None:
+    """A refusal naming the dtype when ``value`` is a Cast of a half-precision value.
 
     A float16 export casts around routing and combine; the part that does not match is then a
     Cast, and the reason must say the dtype, which this version does not fuse.
@@ -95,12 +49,12 @@ def half_precision(part: str, value: ir.Value) -> PartFailure | None:
     dtype = _HALF.get(node.inputs[0].dtype)
     if dtype is None:
         return None
-    return PartFailure(
-        "target",
+    return Refusal(
         f"'{value_label(value)}' is a Cast of the {dtype} '{value_label(node.inputs[0])}' "
         f"({part} computes in {dtype}): this version fuses float32 layers only "
         "(float16/bfloat16 layers are left as they are)",
         node,
+        part="target",
     )
 
 

@@ -4,7 +4,8 @@
 value the previous one hands over (the combine's weights lead to the routing TopK, its expert
 output to FC2, FC2's input to the activation, the activation's operands to FC1), so a spelling
 is one part's business and any combination of known part spellings composes. It returns a
-:class:`~.facts.LayerParts` or raises the first part's :class:`~.facts.PartFailure`. What the
+:class:`~.facts.LayerParts` or raises the first part's
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`. What the
 parts mean (axes, shapes, constants, the same indices everywhere, dtypes, ...) is proved by
 the layer proofs that read :attr:`~.facts.LayerParts.bindings`.
 """
@@ -16,6 +17,7 @@ from collections.abc import Collection
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import label, value_label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.moe.parts.activation import (
     FAMILIES,
     identity_activation,
@@ -25,9 +27,7 @@ from onnx_moe_fuse.rewrites.moe.parts.combine import recognise_combine
 from onnx_moe_fuse.rewrites.moe.parts.facts import (
     ActivationFact,
     LayerParts,
-    PartFailure,
     ProjectionFact,
-    failure,
 )
 from onnx_moe_fuse.rewrites.moe.parts.projections import (
     recognise_fc2,
@@ -48,12 +48,12 @@ def _activation_and_fc1(
     """The activation FC2 reads and the FC1 projection(s) it is made of."""
     try:
         activation = recognise_activation(act, families)
-    except PartFailure as no_activation:
+    except Refusal as no_activation:
         if "elementwise" not in families:
             raise
         try:  # FC2 may read FC1 directly (identity)
             fc1 = recognise_projection(act, "fc1", source, "fc1")
-        except PartFailure:
+        except Refusal:
             raise no_activation from None
         return identity_activation(act), (fc1,)
     tags = FC1_TAGS[activation.family]
@@ -76,11 +76,11 @@ def recognise_layer(
     reads = fc1[0].input
     for p in fc1[1:]:
         if p.input is not reads:
-            raise failure(
-                "fc1",
+            raise Refusal(
                 f"the FC1 projections read different values: '{value_label(reads)}' and "
                 f"'{value_label(p.input)}' ({p.tag})",
                 p.input,
+                part="fc1",
             )
     tokens = reads
     extra = dict(extra)
@@ -102,7 +102,7 @@ def recognise_layer(
     )
 
 
-def escaping_value(parts: LayerParts, inside: Collection[ir.Node]) -> PartFailure | None:
+def escaping_value(parts: LayerParts, inside: Collection[ir.Node]) -> Refusal | None:
     """A failure naming a value of the layer's parts used outside ``inside`` (None if none).
 
     For a rule used alone: its small pattern matches the combine only, so the rewriter cannot
@@ -120,10 +120,10 @@ def escaping_value(parts: LayerParts, inside: Collection[ir.Node]) -> PartFailur
                 if not users:
                     continue
                 where = f"used by {users[0].op_type} '{label(users[0])}' outside the layer"
-            return failure(
-                "region",
+            return Refusal(
                 f"an intermediate value escapes the layer: '{value_label(out)}' "
                 f"({node.op_type} '{label(node)}') is also {where}",
                 out,
+                part="region",
             )
     return None

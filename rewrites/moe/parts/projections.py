@@ -26,13 +26,11 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import dense_refusal_at
 from onnx_moe_fuse.rewrites.graph.facts import label, value_label
-from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match
+from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellings
+from onnx_moe_fuse.rewrites.graph.refusals import DENSE_EXPERTS, Refusal
 from onnx_moe_fuse.rewrites.moe.parts.facts import (
-    PartFailure,
     ProjectionFact,
-    failure,
     half_precision,
 )
 
@@ -201,10 +199,11 @@ def recognise_projection(out: ir.Value, tag: str, source: str, part: str) -> Pro
         if half is not None:
             raise half
         what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
-        raise failure(
-            part,
+        raise Refusal(
             f"'{value_label(out)}' ({what}) is not {_WHAT[source]}",
             node if node is not None else out,
+            part=part,
+            expected=spellings(_PATTERNS[(tag, source)]),
         )
     spelling, match = found
     b = match.bindings
@@ -236,7 +235,7 @@ def recognise_fc2(
         return recognise_projection(expert_out, "fc2", "rows", "fc2"), {}, ()
     try:
         return recognise_projection(expert_out, "fc2", "slots", "fc2"), {}, ()
-    except PartFailure as slots_failure:
+    except Refusal as slots_failure:
         mask = _dense_mask(expert_out)
         if mask is not None:
             raise mask from None
@@ -245,7 +244,7 @@ def recognise_fc2(
             raise slots_failure from None
         try:
             fact = recognise_projection(node.inputs[0], "fc2", "rows", "fc2")
-        except PartFailure:
+        except Refusal:
             raise slots_failure from None
         return fact, {"fc2_slots": expert_out}, (node,)
 
@@ -253,23 +252,37 @@ def recognise_fc2(
 _MASK_OPS = frozenset({"OneHot", "Equal"})
 
 
-def _dense_mask(value: ir.Value):
-    """A failure for a one-hot mask where FC2's output should be (a dense form left as is)."""
+def _mask_topk(mask: ir.Node) -> ir.Node | None:
+    """The TopK whose ids (output 1) the mask node reads, directly or through an Unsqueeze."""
+    for value in mask.inputs:
+        node = value.producer() if value is not None else None
+        if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] is not None:
+            value, node = node.inputs[0], node.inputs[0].producer()
+        if node is not None and node.op_type == "TopK" and value is node.outputs[1]:
+            return node
+    return None
+
+
+def _dense_mask(value: ir.Value) -> Refusal | None:
+    """A refusal for a one-hot mask where FC2's output should be (a dense form left as is).
+
+    The dense-experts pass recognised such a layer from its mask and recorded why it left it;
+    the refusal defers to that record (``defer``), which names the part at fault.
+    """
     node = value.producer()
     if node is not None and node.op_type == "Cast" and node.inputs[0] is not None:
         node = node.inputs[0].producer()
     if node is None or node.op_type not in _MASK_OPS:
         return None
-    dense = dense_refusal_at(node)
-    if dense is not None and dense.recognised and dense.part is not None:
-        # the dense-experts pass recognised the layer: its refusal names the part at fault
-        return failure(dense.part, dense.reason, *dense.sources)
-    return failure(
-        "fc2",
+    topk = _mask_topk(node)
+    return Refusal(
         f"the experts are chosen by a one-hot mask of the TopK's indices ({node.op_type} "
         f"'{label(node)}'): a dense all-experts form that the dense-experts canonicalisation "
         "could not prove equal to the selected experts, so the layer is left as it is",
         node,
+        part="fc2",
+        topk=topk,
+        defer=DENSE_EXPERTS if topk is not None else None,
     )
 
 
@@ -300,11 +313,12 @@ def recognise_token_rows(rows: ir.Value) -> tuple[ir.Value, dict[str, Any], tupl
     if found is None:
         node = rows.producer()
         what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
-        raise failure(
-            "fc1",
+        raise Refusal(
             f"the rows '{value_label(rows)}' FC1 projects ({what}) are not the tokens repeated "
             "over the k slots and flattened (Reshape(Expand(Unsqueeze(x))))",
             node if node is not None else rows,
+            part="fc1",
+            expected=spellings(_ROW_PATTERNS),
         )
     _, match = found
     b = dict(match.bindings)

@@ -22,8 +22,9 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from onnx_moe_fuse.rewrites.graph.facts import label, value_label
-from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match
-from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, failure, half_precision
+from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellings
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, half_precision
 
 __all__ = ["WEIGHT_FORMS", "recognise_routing", "routing_pattern"]
 
@@ -99,11 +100,11 @@ def recognise_routing(weights: ir.Value) -> RoutingFact:
     node = weights.producer()
     if node is not None and node.op_type == "TopK" and node.domain in ("", "ai.onnx"):
         if weights.index() != 0:
-            raise failure(
-                "routing",
+            raise Refusal(
                 f"the combine weights the slots by the indices of TopK '{label(node)}', not by "
                 "its values",
                 node,
+                part="routing",
             )
         b = {
             "router_scores": node.inputs[0],
@@ -118,11 +119,12 @@ def recognise_routing(weights: ir.Value) -> RoutingFact:
         if half is not None:
             raise half
         what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
-        raise failure(
-            "routing",
+        raise Refusal(
             f"the routing weights '{value_label(weights)}' ({what}) are not the values of a TopK "
             "(as they are, renormalised by their sum, or softmaxed over the k slots)",
             weights,
+            part="routing",
+            expected=spellings(_PATTERNS),
         )
     form, match = found
     topk = match.bindings["topk_values"].producer()

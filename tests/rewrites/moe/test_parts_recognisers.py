@@ -3,7 +3,7 @@
 Layers come from the spelling generator (``tests/spellings/build.py``, one spelling per part)
 and are canonicalised as the pipeline does; each test calls one recogniser at the node or value
 where its part ends and checks the fact (form, family, layout, the values it hands on), or that
-a broken part raises a :class:`PartFailure` naming that part and the node at fault.
+a broken part raises a :class:`Refusal` naming that part and the node at fault.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
+from onnxscript.rewriter._basics import MatchFailureError, MatchResult
 from spellings.build import build_case
 from spellings.strategies import SMALL_BASE
 
 from onnx_moe_fuse.pipeline.canonicalise import canonicalise
-from onnx_moe_fuse.rewrites.graph.facts import Refusal
-from onnx_moe_fuse.rewrites.moe.analysis import expert_weights, part, refuse
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal, part, refusal_of
+from onnx_moe_fuse.rewrites.moe.analysis import expert_weights
 from onnx_moe_fuse.rewrites.moe.parts.activation import recognise_activation
 from onnx_moe_fuse.rewrites.moe.parts.combine import recognise_combine
-from onnx_moe_fuse.rewrites.moe.parts.facts import PartFailure
 from onnx_moe_fuse.rewrites.moe.parts.layer import recognise_layer
 from onnx_moe_fuse.rewrites.moe.parts.projections import (
     recognise_fc2,
@@ -82,7 +82,7 @@ def test_combine_form_and_what_it_hands_on(experts: str, combine: str, form: str
 def test_combine_failure_names_the_node() -> None:
     model = layer()
     topk = next(n for n in model.graph if n.op_type == "TopK")
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_combine(topk)
     assert info.value.part == "combine"
     assert info.value.node is topk
@@ -121,7 +121,7 @@ def test_routing_mul_reciprocal_without_canonicalisation() -> None:
 def test_routing_failure_names_the_weights() -> None:
     model = layer()
     x = model.graph.inputs[0]
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_routing(x)
     assert info.value.part == "routing"
     assert info.value.value is x
@@ -131,7 +131,7 @@ def test_routing_failure_names_the_weights() -> None:
 def test_routing_by_the_topk_indices_is_refused() -> None:
     model = layer()
     topk = next(n for n in model.graph if n.op_type == "TopK")
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_routing(topk.outputs[1])
     assert info.value.part == "routing"
     assert "indices" in info.value.reason
@@ -172,7 +172,7 @@ def test_fc1_projection_of_the_tokens() -> None:
 def test_projection_failure_names_the_part_and_node() -> None:
     model = layer()
     sigmoid = next(n for n in model.graph if n.op_type == "Sigmoid")
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_projection(sigmoid.outputs[0], "fc2", "slots", "fc2")
     assert info.value.part == "fc2"
     assert info.value.node is sigmoid
@@ -190,7 +190,7 @@ def test_token_rows_of_flattened_layers() -> None:
 
 def test_token_rows_failure() -> None:
     model = layer(experts="rows_gathernd")
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_token_rows(model.graph.inputs[0])
     assert info.value.part == "fc1"
     assert "repeated over the k slots" in info.value.reason
@@ -227,7 +227,7 @@ def test_exact_gelu_is_recognised_for_the_proof_to_refuse() -> None:
 @pytest.mark.parametrize("activation", ["swiglu_separate", "swiglu_oss"])
 def test_swapped_gate_and_up_names_the_sigmoid(activation: str) -> None:
     model = layer(activation=activation, mutation="swap_gate_up")
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_activation(named(model, "act"))
     assert info.value.part == "activation"
     assert info.value.node is not None and info.value.node.op_type == "Sigmoid"
@@ -237,7 +237,7 @@ def test_swapped_gate_and_up_names_the_sigmoid(activation: str) -> None:
 def test_activation_failure_for_an_unknown_op() -> None:
     model = layer()
     x = model.graph.inputs[0]
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_activation(x)
     assert info.value.part == "activation"
     assert "graph input" in info.value.reason
@@ -288,7 +288,7 @@ def test_identity_activation_when_fc2_reads_fc1() -> None:
 
 def test_layer_failure_is_the_first_broken_part() -> None:
     model = layer(mutation="swap_gate_up")
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_layer(root(model))
     assert info.value.part == "activation"
 
@@ -306,7 +306,7 @@ def test_half_precision_cast_names_the_dtype() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 2, 8])],
     )
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         recognise_projection(named(model, "y32"), "fc2", "slots", "fc2")
     assert info.value.part == "target" and "float16" in info.value.reason
 
@@ -317,16 +317,70 @@ def test_half_precision_cast_names_the_dtype() -> None:
 def test_part_tags_failures_and_converts_plain_refusals() -> None:
     model = layer()
     x = model.graph.inputs[0]
-    with pytest.raises(PartFailure) as info:
+    with pytest.raises(Refusal) as info:
         with part("fc2"), part("routing"):
-            raise refuse("inner", x)
+            raise Refusal("inner", x, None)  # an absent source is skipped
     assert info.value.part == "routing"  # the innermost tag wins
-    with pytest.raises(PartFailure) as info:
+    assert info.value.failure_sources == (x,)
+    with pytest.raises(Refusal) as info:
         with part("weights"):
             raise Refusal("plain", x)
     assert info.value.part == "weights" and info.value.value is x
     assert info.value.message() == "weights: plain"
     assert info.value.where() == "value 'x'"
+    with pytest.raises(Refusal) as info:  # onnxscript's own failure becomes the one type
+        with part("fc1"):
+            raise MatchFailureError("onnxscript's", x)
+    assert type(info.value) is Refusal and info.value.message() == "fc1: onnxscript's"
+
+
+def test_a_failed_match_carries_its_refusal_and_reads_part_reason() -> None:
+    """What a rule's ``check`` returns: onnxscript sees ``"part: reason"``, a tracer the type."""
+    model = layer()
+    x = model.graph.inputs[0]
+    refusal = Refusal("the weights are not constant", x, part="fc1", expected="Gather | GMM")
+    result = refusal.fail()
+    assert not result and result.reason == "fc1: the weights are not constant"
+    assert result.failure_nodes_and_values == [x]
+    assert refusal_of(result) is refusal
+    assert refusal_of(MatchResult().fail("plain text")) is None
+    miss = NearMiss.of(refusal, rule="R", root="root")
+    assert miss.to_dict() == {
+        "rule": "R",
+        "part": "fc1",
+        "node": "x",
+        "reason": "the weights are not constant",
+        "root": "root",
+        "topk": None,
+        "router": None,
+        "values": ["x"],
+    }
+    assert miss.value == "x" and miss.expected == "Gather | GMM"
+    assert list(miss.to_dict()) == [
+        "rule",
+        "part",
+        "node",
+        "reason",
+        "root",
+        "topk",
+        "router",
+        "values",
+    ]
+
+
+def test_a_kept_refusal_keeps_no_frames() -> None:
+    """A tracer keeps every refusal: a kept one must not keep the proof's locals (weights)."""
+    x = layer().graph.inputs[0]
+    try:
+        try:
+            raise ValueError("inner")
+        except ValueError:
+            raise Refusal("outer", x) from None
+    except Refusal as caught:
+        refusal = caught
+    assert refusal.__traceback__ is not None and refusal.__context__ is not None
+    refusal_of(refusal.fail())
+    assert refusal.__traceback__ is None and refusal.__context__ is None
 
 
 def test_model_stays_valid_after_recognition() -> None:
@@ -347,7 +401,7 @@ def test_weights_through_a_transpose_of_a_graph_input_are_named() -> None:
         [helper.make_tensor_value_info("w2_t", TensorProto.FLOAT, [4, 8, 16])],
     )
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
-    with pytest.raises(PartFailure) as info, part("fc2"):
+    with pytest.raises(Refusal) as info, part("fc2"):
         expert_weights("FC2", named(model, "w2_t"))
     assert info.value.message() == (
         "fc2: FC2 expert weights not constant: they reach the projection through a Transpose "

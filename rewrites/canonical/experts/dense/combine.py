@@ -7,7 +7,7 @@ Used by :mod:`.dense_experts`, after :mod:`.dense_mask` has read the mask. The l
 ``Squeeze(MatMul(Unsqueeze(dense, 1), Transpose(Y, [1, 0, 2])), 1)`` or
 ``Einsum("te,eth->th", dense, Y)`` (any letters, either operand order). Substituting ``dense``,
 ``sum_e dense[t, e] y_e(x_t) = sum_j w[t, j] y_{idx[t, j]}(x_t)``: the per-slot layer. A failed
-proof raises :class:`~onnx_moe_fuse.rewrites.graph.facts.Refusal` tagged part ``combine``.
+proof raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` tagged part ``combine``.
 
 The Einsum is read here as well as lowered by
 :mod:`~onnx_moe_fuse.rewrites.canonical.spellings.einsum`: that lowering needs both operands'
@@ -29,12 +29,12 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     is_op,
     only_consumer,
     other_operand,
-    part,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import DenseWeights
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing
 from onnx_moe_fuse.rewrites.canonical.spellings.einsum import parse_equation
-from onnx_moe_fuse.rewrites.graph.facts import Refusal, attr_int, attr_str, label
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
 __all__ = ["Combine", "read_combine", "split_rows_outputs"]
 

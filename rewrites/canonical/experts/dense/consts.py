@@ -4,29 +4,24 @@ The constant readers are ``_graph_facts``' readers, which take a ``Constant`` at
 (onnx-ir's ``get_const_tensor`` would rename the tensor, which the working copy shares with the
 original model), plus :func:`is_const`. The graph readers (:func:`is_op`, :func:`consumers`,
 :func:`only_consumer`, :func:`other_operand`, :func:`axes_are`) are the few questions every part
-reader of the dense layer asks about a node and its neighbours. :func:`part` tags a refusal with
-the layer part it is about, as the layer rules' ``_moe_analysis.part`` does; it is not imported
-from there because the layer rules read the dense pass's refusals (an import cycle otherwise),
-and it tags in place, so a refusal keeps its type and nodes.
+reader of the dense layer asks about a node and its neighbours. Refusals are
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`, tagged with their part by
+:func:`~onnx_moe_fuse.rewrites.graph.refusals.part`, as the layer rules' are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import (
-    Refusal,
     const_array,
     const_ints,
     node_axes,
     normalize_axes,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = [
-    "DENSE_PARTS",
     "STD",
     "axes_are",
     "const_array",
@@ -37,32 +32,10 @@ __all__ = [
     "node_axes",
     "only_consumer",
     "other_operand",
-    "part",
-    "refusal_part",
 ]
 
 #: The default ONNX domain's spellings.
 STD = ("", "ai.onnx")
-#: The layer parts a dense refusal names: a subset of the layer rules' parts
-#: (``_moe_analysis.PARTS``), so a near miss carries them as the rules' own.
-DENSE_PARTS = ("routing", "fc1", "activation", "fc2", "combine", "weights", "region")
-
-
-@contextmanager
-def part(name: str) -> Iterator[None]:
-    """Tag a :class:`Refusal` raised inside with the layer part ``name`` (innermost tag wins)."""
-    assert name in DENSE_PARTS, name
-    try:
-        yield
-    except Refusal as refusal:
-        if getattr(refusal, "part", None) is None:
-            refusal.part = name  # type: ignore[attr-defined]
-        raise
-
-
-def refusal_part(refusal: Refusal) -> str | None:
-    """The layer part a refusal names (None for one raised outside any :func:`part`)."""
-    return getattr(refusal, "part", None)
 
 
 def is_const(value: ir.Value | None) -> bool:

@@ -36,20 +36,19 @@ stacked, :mod:`.dense_stack`) only for a layer that is rewritten, and before any
 unreadable tensor leaves the layer as it was. Constants are read without the naming side effect
 of ``onnx_ir.convenience.get_const_tensor`` (:mod:`.dense_consts`).
 
-The values at the layer's boundary keep their names (the tokens, router logits, TopK outputs,
-the routing weights, and the layer output, which the new ReduceSum takes over), so the
-pipeline's splice finds the layer in the original graph. New values get fresh names. Where a
-proof fails the block stays exactly as it was; :func:`dense_refusal_for` says why, naming the
-part (``routing``, ``combine``, ``fc1``, ``activation``, ``fc2``, ``region``) and the node,
-which the fuser's near miss carries (the layer is recognised from its mask, so a router over
+The values at the layer's boundary keep their names (the tokens, router logits, TopK outputs, the
+routing weights, and the layer output, which the new ReduceSum takes over), so the pipeline's splice
+finds the layer in the original graph. New values get fresh names. Where a proof fails the block
+stays exactly as it was, and the pass records why as it runs (into
+``CanonicalDenseExpertsPass.refusals``: a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`
+naming the part (``routing``, ``combine``, ``fc1``, ``activation``, ``fc2``, ``region``) and the
+node), which the fuser's near miss carries (the layer is recognised from its mask, so a router over
 other rows or weights that are graph inputs are named as such, not as an unknown spelling);
-:func:`dense_experts_refusals` lists every such reason. The default opset becomes 29
+:func:`dense_experts_refusals` lists every such reason of a model. The default opset becomes 29
 (GroupedMatMul) when a layer is rewritten: the working copy is never executed.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import onnx_ir as ir
 
@@ -61,8 +60,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.combine import (
 from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     const_ints,
     node_axes,
-    part,
-    refusal_part,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.emit import Emitter
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP, Projection, read_mlp
@@ -73,16 +70,14 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import (
     read_dense_weights,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, read_routing
-from onnx_moe_fuse.rewrites.graph.facts import Refusal, label, value_label
+from onnx_moe_fuse.rewrites.graph.facts import label, value_label
+from onnx_moe_fuse.rewrites.graph.refusals import DENSE_EXPERTS, Refusal, part
 
 __all__ = [
     "CanonicalDenseExpertsPass",
     "DenseLayer",
-    "DenseRefusal",
     "analyse_dense_layer",
     "dense_experts_refusals",
-    "dense_refusal_at",
-    "dense_refusal_for",
 ]
 
 GROUPED_MATMUL_OPSET = 29
@@ -282,96 +277,62 @@ def _candidates(graph: ir.Graph) -> list[ir.Node]:
     return [n for n in graph if n.op_type == "TopK" and n.domain in ("", "ai.onnx")]
 
 
-@dataclass(frozen=True)
-class DenseRefusal:
-    """Why a dense layer stays as it is: the part, the node (or value) at fault, the reason.
+def _refusal(exc: Exception) -> Refusal:
+    if isinstance(exc, Refusal):
+        return exc
+    # never raise on a valid model: an unreadable part is refused, naming the TopK
+    return Refusal(f"could not analyse the dense layer: {type(exc).__name__}: {exc}")
 
-    ``recognised``: the mask was read (a one-hot or scatter of the TopK's ids weighted by its
-    values), so the block is a dense MoE layer for sure; a refusal before that may be about a
-    block that is no MoE layer at all.
+
+def _analyse(topk: ir.Node) -> tuple[DenseLayer | None, Refusal | None, bool]:
+    """``(the proved layer, or the refusal, whether the mask was read)``.
+
+    ``recognised`` (the third): the mask was read (a one-hot or scatter of the TopK's ids
+    weighted by its values), so the block is a dense MoE layer for sure; a refusal before
+    that may be about a block that is no MoE layer at all.
     """
-
-    part: str | None
-    node: str
-    reason: str
-    values: tuple[str, ...] = ()
-    recognised: bool = False
-    sources: tuple[ir.Node | ir.Value, ...] = ()  # the nodes and values at fault, first first
-
-
-def _refusal(exc: Exception, topk: ir.Node, recognised: bool) -> DenseRefusal:
-    if not isinstance(exc, Refusal):  # never raise on a valid model: an unreadable part
-        reason = f"could not analyse the dense layer: {type(exc).__name__}: {exc}"
-        return DenseRefusal(None, label(topk), reason, (), recognised)
-    sources = exc.failure_sources
-    where = sources[0] if sources else topk
-    node = label(where) if isinstance(where, ir.Node) else value_label(where)
-    values = tuple(value_label(v) for v in sources if isinstance(v, ir.Value))
-    return DenseRefusal(refusal_part(exc), node, exc.reason, values, recognised, tuple(sources))
-
-
-def _analyse(topk: ir.Node) -> tuple[DenseLayer | None, DenseRefusal | None]:
     try:
         parts = _recognise(topk)
     except Exception as exc:  # noqa: BLE001 - a Refusal, or an unreadable part: both refuse
-        return None, _refusal(exc, topk, recognised=False)
+        return None, _refusal(exc), False
     if parts is None:
-        return None, None
+        return None, None, False
     try:
-        return _prove(*parts), None
+        return _prove(*parts), None, True
     except Exception as exc:  # noqa: BLE001 - as above
-        return None, _refusal(exc, topk, recognised=True)
-
-
-def dense_refusal_for(topk: ir.Node) -> DenseRefusal | None:
-    """Why the dense layer whose mask ``topk``'s ids build is left alone, else None.
-
-    None when those ids build no mask, or when the layer is proved (the pass rewrites it).
-    Re-runs the proof on the graph as it is; changes nothing.
-    """
-    if topk.graph is None:
-        return None
-    return _analyse(topk)[1]
-
-
-def dense_refusal_at(mask: ir.Node) -> DenseRefusal | None:
-    """:func:`dense_refusal_for` of the TopK whose ids the mask node ``mask`` reads.
-
-    ``mask`` is a ``OneHot`` / ``Equal`` / ``ScatterElements`` (or the ``Cast`` after one) of the
-    ids, directly or through the ``Unsqueeze(-1)`` of the all-at-once ``Equal``; None for any
-    other node. For a layer rule that meets a dense layer the pass left as it was.
-    """
-    if mask.op_type == "Cast" and mask.inputs and mask.inputs[0] is not None:
-        mask = mask.inputs[0].producer() or mask
-    if mask.op_type not in ("OneHot", "Equal", "ScatterElements"):
-        return None
-    for value in mask.inputs:
-        node = value.producer() if value is not None else None
-        if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] is not None:
-            value, node = node.inputs[0], node.inputs[0].producer()
-        if node is not None and node.op_type == "TopK" and value is node.outputs[1]:
-            return dense_refusal_for(node)
-    return None
+        return None, _refusal(exc), True
 
 
 def dense_experts_refusals(model: ir.Model) -> list[tuple[str, str]]:
     """``(TopK node name, reason)`` for every dense-looking layer the pass would leave alone."""
     out = []
     for topk in _candidates(model.graph):
-        _, refusal = _analyse(topk)
+        _, refusal, _ = _analyse(topk)
         if refusal is not None:
             out.append((label(topk), refusal.reason))
     return out
 
 
 class CanonicalDenseExpertsPass(ir.passes.InPlacePass):
-    """Rewrite every proved dense all-experts layer into the per-slot GroupedMatMul layer."""
+    """Rewrite every proved dense all-experts layer into the per-slot GroupedMatMul layer.
+
+    ``refusals`` receives, while the pass runs, the refusal of each layer it recognised (its
+    mask read) and left as it is, recorded as :data:`DENSE_EXPERTS`'s for the layer's TopK
+    (the list the pipeline hands it, or one of its own).
+    """
+
+    def __init__(self, refusals: list[Refusal] | None = None) -> None:
+        """Record refusals into ``refusals`` (a new list by default)."""
+        super().__init__()
+        self.refusals: list[Refusal] = [] if refusals is None else refusals
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Rewrite the main graph's dense layers; the others stay byte-for-byte."""
         modified = False
         for topk in _candidates(model.graph):
-            layer, _ = _analyse(topk)
+            layer, refusal, recognised = _analyse(topk)
+            if refusal is not None and recognised:
+                self.refusals.append(refusal.recorded_by(DENSE_EXPERTS, topk))
             if layer is None:
                 continue
             emitter = Emitter(model.graph, layer)

@@ -14,7 +14,7 @@ its axes written as ``-1``).
 
 :func:`read_mlp` returns an :class:`ExpertMLP` whose ``signature`` describes everything but
 the weights: two experts have the same structure iff their signatures are equal. It raises
-:class:`~onnx_moe_fuse.rewrites.graph.facts.Refusal` with a reason when the value is not
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with a reason when the value is not
 such an MLP.
 """
 
@@ -30,14 +30,14 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     const_array,
     const_ints,
     is_const,
-    part,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.nbits import (
     MS_DOMAIN,
     nbits_geometry,
     nbits_is_supported,
 )
-from onnx_moe_fuse.rewrites.graph.facts import Refusal, attr_int, label, normalize_axes
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, label, normalize_axes
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
 __all__ = ["ExpertMLP", "Projection", "WeightSource", "read_mlp"]
 

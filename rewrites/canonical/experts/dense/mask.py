@@ -14,10 +14,10 @@ routing weights ``dense[t, e] = sum_j (idx[t, j] == e) * w[t, j]`` with ``w`` co
 * ``ScatterElements(zeros [T, E], idx, w, axis=1)`` -> ``[T, E]``: equal to the sum above
   because TopK's k indices of one row are distinct (no write overwrites another).
 
-Every structural constant (axes, depth, OneHot values, the range, Cast type) is checked; a
-failed proof raises :class:`~onnx_moe_fuse.rewrites.graph.facts.Refusal` tagged part
-``combine`` (the mask is the combine's weights; :func:`.dense_consts.part`)
-with the node at fault. The combine that consumes the mask is read by :mod:`.dense_combine`.
+Every structural constant (axes, depth, OneHot values, the range, Cast type) is checked; a failed
+proof raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` tagged part ``combine`` (the
+mask is the combine's weights) with the node at fault. The combine that consumes the mask is read by
+:mod:`.dense_combine`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     is_op,
     only_consumer,
     other_operand,
-    part,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, check_weights
-from onnx_moe_fuse.rewrites.graph.facts import Refusal, attr_int, attr_str, label
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
 __all__ = ["DenseWeights", "mask_users", "read_dense_weights"]
 

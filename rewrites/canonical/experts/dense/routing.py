@@ -11,7 +11,7 @@ y_{idx[t, j]}`` holds for any such ``w``: whether MoE can compute it (a softmax 
 a renormalisation) is the layer rules' proof, made on the per-slot form, so their near miss
 names it. Which rows the router reads is read (:func:`router_reads`) but compared with the
 experts' token rows by the layer proof, which knows them. Refusals are tagged part ``routing``
-(:func:`.dense_consts.part`) and carry the node at fault.
+(:func:`~onnx_moe_fuse.rewrites.graph.refusals.part`) and carry the node at fault.
 """
 
 from __future__ import annotations
@@ -25,16 +25,15 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     axes_are,
     const_array,
     const_ints,
-    part,
 )
 from onnx_moe_fuse.rewrites.graph.facts import (
-    Refusal,
     attr_int,
     label,
     static_last_dim,
     static_rank,
     value_label,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
 __all__ = ["Routing", "check_weights", "read_routing", "router_reads"]
 

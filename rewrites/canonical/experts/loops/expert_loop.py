@@ -24,9 +24,10 @@ reads the stack. ``GroupedMatMul`` is opset 29: the default-domain opset import 
 when a loop is rewritten (the working copy is never executed; the fuser lowers the opset again
 once the GroupedMatMul nodes are fused away).
 
-Loops whose proof fails are left unchanged; :func:`expert_loop_refusals` says why, and
-:func:`loop_refusal_for` gives the reason for the loop of one routing TopK (the fuser's near
-miss for such a layer).
+Loops whose proof fails are left unchanged; the pass records why as it runs
+(``CanonicalExpertLoopPass.refusals``: a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`
+per loop, for its routing TopK: the fuser's near miss for such a layer), and
+:func:`expert_loop_refusals` lists the reasons of a model.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.loops.mlp import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.loops.proof import (
     ExpertLoop,
-    LoopRefusal,
     analyse_loop,
     loop_candidates,
 )
@@ -50,20 +50,21 @@ from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import GROUP
 from onnx_moe_fuse.rewrites.graph.edits import ancestors, remove_dead
 from onnx_moe_fuse.rewrites.graph.facts import label
 from onnx_moe_fuse.rewrites.graph.fresh_names import FreshNames
+from onnx_moe_fuse.rewrites.graph.refusals import EXPERT_LOOP, Refusal
 
-__all__ = ["CanonicalExpertLoopPass", "expert_loop_refusals", "loop_refusal_for"]
+__all__ = ["CanonicalExpertLoopPass", "expert_loop_refusals"]
 
 
-def _analyse(topk: ir.Node, mask: Mask) -> ExpertLoop | str:
-    """The proved loop of ``topk``, or the reason it is refused."""
+def _analyse(topk: ir.Node, mask: Mask) -> ExpertLoop | Refusal:
+    """The proved loop of ``topk``, or the refusal saying why not."""
     try:
         return analyse_loop(topk, mask)
-    except LoopRefusal as exc:
-        return str(exc.args[0])
+    except Refusal as refusal:
+        return refusal
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
         # A shape of graph the proof did not foresee: refusing keeps the pass from raising on a
         # valid model.
-        return f"could not analyse the expert loop ({type(exc).__name__}: {exc})"
+        return Refusal(f"could not analyse the expert loop ({type(exc).__name__}: {exc})")
 
 
 def expert_loop_refusals(model: ir.Model) -> list[tuple[str, str]]:
@@ -71,24 +72,9 @@ def expert_loop_refusals(model: ir.Model) -> list[tuple[str, str]]:
     refusals = []
     for topk, mask in loop_candidates(model.graph):
         result = _analyse(topk, mask)
-        if isinstance(result, str):
-            refusals.append((label(topk), result))
+        if isinstance(result, Refusal):
+            refusals.append((label(topk), result.reason))
     return refusals
-
-
-def loop_refusal_for(topk: ir.Node) -> str | None:
-    """The pass's reason for leaving the expert loop masked by ``topk``'s ids, else None.
-
-    None when those ids build no loop mask, or when the loop is proved (the pass rewrites it).
-    Re-runs the proof on the graph as it is; changes nothing.
-    """
-    if topk.graph is None or len(topk.outputs) < 2:
-        return None
-    for candidate, mask in loop_candidates(topk.graph):
-        if candidate is topk:
-            result = _analyse(topk, mask)
-            return result if isinstance(result, str) else None
-    return None
 
 
 class _Builder:
@@ -179,25 +165,26 @@ def _rewrite(model: ir.Model, loop: ExpertLoop) -> None:
 class CanonicalExpertLoopPass(ir.passes.InPlacePass):
     """Rewrite every proved loop over all experts into the per-slot GroupedMatMul form.
 
-    ``refusals`` holds ``(TopK node, reason)`` for the loops left alone by the last call.
+    ``refusals`` receives, while the pass runs, the refusal of each loop it leaves as it is,
+    recorded as :data:`EXPERT_LOOP`'s for the loop's TopK (the list the pipeline hands it, or
+    one of its own).
     """
 
-    def __init__(self) -> None:
-        """Start with no refusals."""
+    def __init__(self, refusals: list[Refusal] | None = None) -> None:
+        """Record refusals into ``refusals`` (a new list by default)."""
         super().__init__()
-        self.refusals: list[tuple[str, str]] = []
+        self.refusals: list[Refusal] = [] if refusals is None else refusals
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Prove and rewrite each loop; leave every other node as it is."""
-        self.refusals = []
         modified = False
         # One loop at a time, each proved on the graph as the previous rewrites left it.
         for topk, mask in loop_candidates(model.graph):
             if topk.graph is not model.graph:
                 continue
             loop = _analyse(topk, mask)
-            if isinstance(loop, str):
-                self.refusals.append((label(topk), loop))
+            if isinstance(loop, Refusal):
+                self.refusals.append(loop.recorded_by(EXPERT_LOOP, topk))
                 continue
             _rewrite(model, loop)
             modified = True

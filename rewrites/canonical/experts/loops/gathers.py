@@ -13,16 +13,18 @@ a loop iteration reads
   Unsqueeze(s_e, -1)))``.
 
 :func:`read_rows` and :func:`read_weight` prove one of these and return what they read, or raise
-:class:`~.loop_values.LoopRefusal` naming the expert and the node. Only reads the graph.
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the expert and the node. Only reads
+the graph.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.loops.values import LoopRefusal, is_k, unsqueezed_last
+from onnx_moe_fuse.rewrites.canonical.experts.loops.values import is_k, unsqueezed_last
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, label, node_axes
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 __all__ = ["read_rows", "read_weight"]
@@ -50,7 +52,7 @@ def read_rows(rows: ir.Value, e: int, token_ids: ir.Value, slot_ids: ir.Value) -
     if reshape is not None:
         target = const_ints(reshape.inputs[1])
         if target is None or len(target) != 2 or target[0] != -1 or target[1] <= 0:
-            raise LoopRefusal(f"expert {e}: {label(reshape)} does not reshape the rows to [-1, H]")
+            raise Refusal(f"expert {e}: {label(reshape)} does not reshape the rows to [-1, H]")
         hidden = target[1]
         nodes.append(reshape)
         value = reshape.inputs[0]
@@ -60,40 +62,38 @@ def read_rows(rows: ir.Value, e: int, token_ids: ir.Value, slot_ids: ir.Value) -
         source = _unsqueezed_0(gather.inputs[0]) if axis == 1 else gather.inputs[0]
         spelling = "gather_axis1" if axis == 1 else "gather"
         if source is None or axis not in (0, 1):
-            raise LoopRefusal(f"expert {e}: {label(gather)} does not gather token rows")
+            raise Refusal(f"expert {e}: {label(gather)} does not gather token rows")
         nodes.append(gather)
     else:
         inner = _transposed_102(value)
         gnd = producer_op(inner, "GatherND")
         if gnd is None or attr_int(gnd, "batch_dims", 0) != 0:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e}: the expert's input {rows.name!r} is not a gather of token rows"
             )
         source = _unsqueezed_0(_transposed_102(gnd.inputs[0]))
         index_node = producer_op(gnd.inputs[1], "Unsqueeze")
         index = index_node.inputs[0] if index_node is not None else None
         if source is None or not unsqueezed_last(gnd.inputs[1], index):
-            raise LoopRefusal(f"expert {e}: {label(gnd)} does not gather token rows")
+            raise Refusal(f"expert {e}: {label(gnd)} does not gather token rows")
         spelling = "gathernd"
         nodes += [value.producer(), gnd, index_node]
     if index is slot_ids:
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: the expert's rows are gathered by the slot ids {slot_ids.name!r}, "
             f"not the token ids {token_ids.name!r}"
         )
     if index is not token_ids:
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: the expert's rows are gathered by {index.name!r}, not by the token "
             f"ids {token_ids.name!r} of its mask slice"
         )
     if spelling != "gather" and reshape is None:
-        raise LoopRefusal(
-            f"expert {e}: the gathered rows {value.name!r} are not reshaped to [n, H]"
-        )
+        raise Refusal(f"expert {e}: the gathered rows {value.name!r} are not reshaped to [n, H]")
     dims = value_dims(source)
     last = dims[-1] if dims is not None and len(dims) == 2 else None
     if hidden is not None and (last is None or last.syms or last.coef != hidden):
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: the rows are reshaped to [-1, {hidden}], which is not proved to be the "
             f"tokens' {source.name!r} feature size"
         )
@@ -214,29 +214,29 @@ def read_weight(
         value = reshape.inputs[0]
         reshape = producer_op(value, "Reshape")
     if last_target is not None and not _two_dims_ending_in_one(last_target):
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: the routing weight is reshaped by {label(nodes[0])} to a shape not "
             "proved to be [n, 1]"
         )
     gather = producer_op(value, "Gather", "GatherND")
     if gather is None:
-        raise LoopRefusal(f"expert {e}: {value.name!r} is not a gather of the routing weights")
+        raise Refusal(f"expert {e}: {value.name!r} is not a gather of the routing weights")
     nodes.append(gather)
     if gather.op_type == "Gather":
         w = _flat_weights(gather.inputs[0]) if attr_int(gather, "axis", 0) == 0 else None
         if w is None or weights_of(w) is None:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e}: {label(gather)} does not gather from the flattened [T * k, 1] "
                 "routing weights of the mask's TopK"
             )
         index_nodes = _linear_index(gather.inputs[1], slots, tokens, k, w)
         if index_nodes is None:
             if _linear_index(gather.inputs[1], tokens, slots, k, w) is not None:
-                raise LoopRefusal(
+                raise Refusal(
                     f"expert {e}: {label(gather)} gathers the routing weight at t + s * k "
                     "(token and slot ids swapped), not s + t * k"
                 )
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e}: {label(gather)} does not gather the routing weight at slot + "
                 f"token * {k}"
             )
@@ -245,20 +245,20 @@ def read_weight(
     unsq = producer_op(gather.inputs[0], "Unsqueeze")
     w = unsq.inputs[0] if unsq is not None and node_axes(unsq) in ([2], [-1]) else None
     if w is None or weights_of(w) is None or attr_int(gather, "batch_dims", 0) != 0:
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: {label(gather)} does not gather from the [T, k, 1] routing weights of "
             "the mask's TopK"
         )
     concat = producer_op(gather.inputs[1], "Concat")
     if concat is None or len(concat.inputs) != 2 or attr_int(concat, "axis", 0) not in (1, -1):
-        raise LoopRefusal(f"expert {e}: {label(gather)}'s indices are not (token, slot) pairs")
+        raise Refusal(f"expert {e}: {label(gather)}'s indices are not (token, slot) pairs")
     first, second = concat.inputs
     if unsqueezed_last(first, slots) and unsqueezed_last(second, tokens):
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: {label(gather)} gathers the routing weight at (slot, token), not "
             "(token, slot)"
         )
     if not (unsqueezed_last(first, tokens) and unsqueezed_last(second, slots)):
-        raise LoopRefusal(f"expert {e}: {label(gather)}'s indices are not (token, slot) pairs")
+        raise Refusal(f"expert {e}: {label(gather)}'s indices are not (token, slot) pairs")
     nodes += [unsq, concat, first.producer(), second.producer()]
     return w, "nd", nodes

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.loops.values import LoopRefusal
 from onnx_moe_fuse.rewrites.canonical.experts.rowwise import ELEMENTWISE, per_slot_operands
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
     const_shape,
@@ -39,6 +38,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
     small_const,
 )
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_ints, label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = [
     "BiasRef",
@@ -115,7 +115,7 @@ def _weight(value: ir.Value, e: int, matmul: ir.Node) -> WeightRef:
             if -n <= j < n:
                 return WeightRef(node.inputs[0], index=j % n)
     where = "a graph input" if value.is_graph_input() else "not a float initializer"
-    raise LoopRefusal(
+    raise Refusal(
         f"expert {e}: the weight {value.name!r} of {label(matmul)} is {where} (nor its "
         "transpose, nor one entry of a stacked initializer)"
     )
@@ -186,7 +186,7 @@ def _projection(matmul: ir.Node, out: ir.Value, e: int) -> LoopProjection:
         return LoopProjection(matmul, weight, None, out)
     bias = _bias(_biased(add)[1], weight.dims[1])  # type: ignore[index]
     if bias is None:
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: {label(add)} adds to {label(matmul)} something that is not a constant "
             f"bias row [{weight.dims[1]}]"
         )
@@ -226,7 +226,7 @@ class ExpertMLP:
 def _const_key(value: ir.Value) -> tuple:
     arr = const_array(value)
     if arr is None:
-        raise LoopRefusal(f"activation: the constant {value.name!r} cannot be read")
+        raise Refusal(f"activation: the constant {value.name!r} cannot be read")
     return ("const", str(arr.dtype), arr.shape, np.ascontiguousarray(arr).tobytes())
 
 
@@ -259,7 +259,7 @@ class _Reader:
         if node is not None and id(node) in self.act_index:
             return ("act", self.act_index[id(node)], value.index())
         if node is None or node.domain not in _STD or depth > 64:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {self.e}: activation: {value.name!r} is neither computed by a known "
                 "row-wise op nor an FC1 projection of the expert's rows"
             )
@@ -273,7 +273,7 @@ class _Reader:
             if self.rows is None:
                 self.rows = matmul.inputs[0]
             elif matmul.inputs[0] is not self.rows:
-                raise LoopRefusal(
+                raise Refusal(
                     f"expert {self.e}: fc1: {label(matmul)} does not project the same rows "
                     f"{self.rows.name!r} as the expert's other FC1"
                 )
@@ -301,30 +301,30 @@ class _Reader:
         op = node.op_type
         cut = op in ("Split", "Slice")
         if op not in ELEMENTWISE and not cut:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {self.e}: activation: {label(node)} ({op}) is not proved to treat each "
                 "row on its own"
             )
         if op == "Split" and attr_int(node, "axis", 0) not in _FEATURE_AXES:
-            raise LoopRefusal(f"expert {self.e}: activation: {label(node)} splits the rows")
+            raise Refusal(f"expert {self.e}: activation: {label(node)} splits the rows")
         if op == "Slice":
             axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
             if axes is None or any(a not in _FEATURE_AXES for a in axes):
-                raise LoopRefusal(f"expert {self.e}: activation: {label(node)} slices the rows")
+                raise Refusal(f"expert {self.e}: activation: {label(node)} slices the rows")
         inputs: list[tuple | None] = []
         for pos, v in enumerate(node.inputs):
             if v is None:
                 inputs.append(None)
             elif cut and pos >= 1:
                 if small_const(v, limit=64) is None:
-                    raise LoopRefusal(
+                    raise Refusal(
                         f"expert {self.e}: activation: {label(node)} cuts at positions that are "
                         "not constant"
                     )
                 inputs.append(_const_key(v))
             elif const_shape(v) is not None:
                 if not _shared_by_rows(v):
-                    raise LoopRefusal(
+                    raise Refusal(
                         f"expert {self.e}: activation: {label(node)} combines the rows with "
                         f"{v.name!r}, which is not a constant shared by every row"
                     )
@@ -342,7 +342,7 @@ def read_expert_mlp(y: ir.Value, e: int) -> ExpertMLP:
     biased = _biased(node) if node is not None else None
     fc2_node = producer_op(y, "MatMul") or (biased[0] if biased is not None else None)
     if fc2_node is None:
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: fc2: {y.name!r} (weighted by the routing weight) is not a MatMul by "
             "constant weights (plus a bias)"
         )
@@ -350,7 +350,7 @@ def read_expert_mlp(y: ir.Value, e: int) -> ExpertMLP:
     reader = _Reader(e)
     act_ref = reader.ref(fc2_node.inputs[0])
     if not reader.fc1:
-        raise LoopRefusal(f"expert {e}: fc1: no projection of the rows before {label(fc2_node)}")
+        raise Refusal(f"expert {e}: fc1: no projection of the rows before {label(fc2_node)}")
     weights = tuple(
         (p.weight.dims, str(p.weight.dtype), _bias_key(p.bias)) for p in [*reader.fc1, fc2]
     )

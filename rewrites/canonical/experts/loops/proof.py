@@ -8,8 +8,8 @@ accumulator at rows ``t_e``. Since each (token t, slot s) pair is routed to exac
 (``ids[t, s]``), the sum over the experts is ``out[t] = sum_s w[t, s] * f_{ids[t, s]}(x[t])``,
 the per-slot layer :mod:`.loop_experts` writes.
 
-:func:`analyse_loop` proves it structurally, raising :class:`~.loop_values.LoopRefusal` with the
-reason otherwise:
+:func:`analyse_loop` proves it structurally, raising a
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with the reason otherwise:
 
 * the mask is the one-hot of THIS TopK's ids with depth the router's expert count E, as
   ``[E, k, T]`` (:func:`.loop_values.read_mask`), read only by one slice per expert, every
@@ -42,7 +42,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.loops.mlp import ExpertMLP, read_e
 from onnx_moe_fuse.rewrites.canonical.experts.loops.steps import Step, chain, read_step
 from onnx_moe_fuse.rewrites.canonical.experts.loops.values import (
     Coords,
-    LoopRefusal,
     Mask,
     is_zeros_like,
     read_coords,
@@ -51,9 +50,10 @@ from onnx_moe_fuse.rewrites.canonical.experts.loops.values import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op, uses
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, label, static_last_dim
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 
-__all__ = ["ExpertLoop", "LoopRefusal", "loop_candidates", "analyse_loop"]
+__all__ = ["ExpertLoop", "loop_candidates", "analyse_loop"]
 
 _STD = ("", "ai.onnx")
 
@@ -99,12 +99,12 @@ def _routing(topk: ir.Node, mask: Mask) -> int:
     """``k``, after checking the TopK selects along the last axis of ``E`` router scores."""
     k = const_ints(topk.inputs[1]) if len(topk.inputs) > 1 else None
     if k is None or len(k) != 1:
-        raise LoopRefusal(f"routing: {label(topk)} has no constant k")
+        raise Refusal(f"routing: {label(topk)} has no constant k")
     if attr_int(topk, "axis", -1) != -1 or attr_int(topk, "largest", 1) != 1:
-        raise LoopRefusal(f"routing: {label(topk)} does not select the largest scores (axis -1)")
+        raise Refusal(f"routing: {label(topk)} does not select the largest scores (axis -1)")
     scored = static_last_dim(topk.inputs[0])
     if scored != mask.experts:
-        raise LoopRefusal(
+        raise Refusal(
             f"mask: the one-hot has {mask.experts} experts, but {label(topk)} selects among "
             f"{scored if scored is not None else 'an unknown number of'} router scores"
         )
@@ -115,17 +115,17 @@ def _slices(mask: Mask) -> list[Coords]:
     coords: dict[int, Coords] = {}
     for reader in uses(mask.value):
         if reader.op_type != "Gather":
-            raise LoopRefusal(
+            raise Refusal(
                 f"mask: {label(reader)} ({reader.op_type}) reads the mask, which is not one "
                 "expert's slice"
             )
         c = read_coords(reader, mask)
         if c.expert in coords:
-            raise LoopRefusal(f"mask: expert {c.expert}'s slice of the mask is taken twice")
+            raise Refusal(f"mask: expert {c.expert}'s slice of the mask is taken twice")
         coords[c.expert] = c
     missing = [e for e in range(mask.experts) if e not in coords]
     if missing:
-        raise LoopRefusal(
+        raise Refusal(
             f"mask: experts {missing} have no slice of the mask: the loop does not run all "
             f"{mask.experts} experts (a trace of a loop over the experts one input hit?)"
         )
@@ -145,7 +145,7 @@ def _scatter_input(c: Coords) -> ir.Value:
                             upd = scatter.inputs[2]
                             expand = producer_op(upd, "Expand")
                             return expand.inputs[0] if expand is not None else upd
-    raise LoopRefusal(
+    raise Refusal(
         f"expert {c.expert}: no scatter into the accumulator at its token ids {c.tokens.name!r}"
     )
 
@@ -172,7 +172,7 @@ def _expert(c: Coords, k: int, topk: ir.Node, hidden_of) -> _Expert:
         inner = cast.inputs[0]
     mul = producer_op(inner, "Mul")
     if mul is None:
-        raise LoopRefusal(f"expert {e}: {v.name!r} is not the expert's output times its weight")
+        raise Refusal(f"expert {e}: {v.name!r} is not the expert's output times its weight")
     nodes.append(mul)
     a, b = mul.inputs
     y, g = (a, b) if _is_projection(a) else (b, a)
@@ -182,7 +182,7 @@ def _expert(c: Coords, k: int, topk: ir.Node, hidden_of) -> _Expert:
     def weights_of(value: ir.Value) -> ir.Value | None:
         source = topk_values_of(value)
         if source is not None and source is not topk:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e}: the routing weights {value.name!r} come from {label(source)}, not "
                 f"from {label(topk)} whose ids build the mask"
             )
@@ -204,25 +204,25 @@ def _check_experts(experts: list[_Expert], ids: ir.Value) -> None:
     for ex in experts[1:]:
         e = ex.coords.expert
         if ex.tokens is not first.tokens:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e} reads the rows of {ex.tokens.name!r}, expert 0 those of "
                 f"{first.tokens.name!r}"
             )
         if ex.weights is not first.weights:
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e} is weighted by {ex.weights.name!r}, expert 0 by {first.weights.name!r}"
             )
         if ex.mlp.signature != first.mlp.signature:
-            raise LoopRefusal(f"expert {e}'s MLP differs in structure from expert 0's")
+            raise Refusal(f"expert {e}'s MLP differs in structure from expert 0's")
         if ex.spelling != first.spelling:
-            raise LoopRefusal(f"expert {e}'s gathers or scatter differ in spelling from expert 0's")
+            raise Refusal(f"expert {e}'s gathers or scatter differ in spelling from expert 0's")
     projections = len(first.mlp.fc1) + 1
     for j in range(projections):
         seen: dict[tuple, int] = {}
         for ex in experts:
             ref = [*ex.mlp.fc1, ex.mlp.fc2][j].weight
             if ref.key in seen:
-                raise LoopRefusal(
+                raise Refusal(
                     f"experts {seen[ref.key]} and {ex.coords.expert} share the weight "
                     f"{ref.source.name!r}"
                     + (f" entry {ref.index}" if ref.index is not None else "")
@@ -236,7 +236,7 @@ def _check_experts(experts: list[_Expert], ids: ir.Value) -> None:
         or len(tokens_dims) != 2
         or not _same_dim(tokens_dims[0], ids_dims[0])
     ):
-        raise LoopRefusal(
+        raise Refusal(
             f"the tokens {first.tokens.name!r} and the ids {ids.name!r} are not proved to have "
             "the same number of rows"
         )
@@ -250,12 +250,12 @@ def _check_escapes(mask: Mask, nodes: set[int], layer_out: ir.Value) -> None:
         if value is layer_out:
             continue
         if value.is_graph_output():
-            raise LoopRefusal(f"region: the loop's intermediate {value.name!r} is a graph output")
+            raise Refusal(f"region: the loop's intermediate {value.name!r} is a graph output")
         for user in uses(value):
             if user.op_type in ("Shape", "Size"):
                 continue
             if id(user) not in nodes:
-                raise LoopRefusal(
+                raise Refusal(
                     f"region: {label(user)} ({user.op_type}) outside the loop reads its "
                     f"intermediate {value.name!r}"
                 )
@@ -266,7 +266,7 @@ def _check_escapes(mask: Mask, nodes: set[int], layer_out: ir.Value) -> None:
 
 
 def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
-    """Prove the loop over the experts masked by ``topk``'s ids; raise :class:`LoopRefusal`."""
+    """Prove the loop over the experts masked by ``topk``'s ids; raise a ``Refusal`` otherwise."""
     k = _routing(topk, mask)
 
     def hidden_of(mlp: ExpertMLP) -> int:
@@ -278,18 +278,18 @@ def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
     hidden = hidden_of(first.mlp)
     tokens = first.tokens
     if first.mlp.fc2.weight.dtype != ir.DataType.FLOAT:
-        raise LoopRefusal(
+        raise Refusal(
             f"the experts compute in {first.mlp.fc2.weight.dtype}; the layer rules fuse float32 "
             "experts only"
         )
     dims = value_dims(tokens)
     if dims[1].syms or dims[1].coef != hidden or first.mlp.fc1[0].weight.dims[0] != hidden:
-        raise LoopRefusal(
+        raise Refusal(
             f"the expert weights do not map the tokens' {dims[1]} features back to {hidden}"
         )
     start, accs = chain([ex.step for ex in experts])
     if not is_zeros_like(start, tokens):
-        raise LoopRefusal(
+        raise Refusal(
             f"accumulation: the first expert adds into {start.name!r}, which is not proved to be "
             f"zeros shaped like the tokens {tokens.name!r}"
         )
@@ -297,7 +297,7 @@ def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
     for ex in experts:
         for value in ex.step.shape_of:
             if id(value) not in valid_shapes:
-                raise LoopRefusal(
+                raise Refusal(
                     f"expert {ex.coords.expert}: its rows are broadcast to the shape of "
                     f"{value.name!r}, which is not the accumulator"
                 )
@@ -305,7 +305,7 @@ def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
     nodes = {id(n) for ex in experts for n in ex.nodes} | {id(n) for n in mask.nodes}
     _check_escapes(mask, nodes, layer_out)
     if not layer_out.is_graph_output() and not layer_out.uses():
-        raise LoopRefusal(f"the layer output {layer_out.name!r} is not used")
+        raise Refusal(f"the layer output {layer_out.name!r} is not used")
     return ExpertLoop(
         topk,
         tokens,

@@ -14,7 +14,7 @@ Each iteration adds expert ``e``'s weighted outputs ``v_e [n, H]`` into the rows
 
 :func:`read_step` proves one iteration from its ``v_e`` and ``t_e``; :func:`chain` orders the
 iterations into one chain from a start value to the last accumulator, each expert once. Only
-reads the graph; refusals are :class:`~.loop_values.LoopRefusal`.
+reads the graph; refusals are :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.loops.values import LoopRefusal, unsqueezed_last
+from onnx_moe_fuse.rewrites.canonical.experts.loops.values import unsqueezed_last
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op, uses
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, const_ints, label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = ["Step", "read_step", "chain"]
 
@@ -73,24 +74,24 @@ def _keeping_broadcast(
     if ints is not None:
         if len(ints) <= 2 and all(d in (1, hidden) for d in ints):
             return [], None
-        raise LoopRefusal(f"expert {e}: the Expand to {ints} changes the weighted rows' shape")
+        raise Refusal(f"expert {e}: the Expand to {ints} changes the weighted rows' shape")
     node = producer_op(shape, "Shape")
     sl = producer_op(node.inputs[0], "Slice") if node is not None else None
     if sl is None or attr_int(node, "start", 0) != 0 or attr_int(node, "end", None) is not None:
-        raise LoopRefusal(f"expert {e}: the Expand of the weighted rows is not proved a no-op")
+        raise Refusal(f"expert {e}: the Expand of the weighted rows is not proved a no-op")
     args = [const_ints(v) if v is not None else None for v in sl.inputs[1:]]
     starts, ends = args[0], args[1]
     axes = args[2] if len(args) > 2 else list(range(len(starts or [])))
     steps = args[3] if len(args) > 3 and sl.inputs[4] is not None else [1] * len(starts or [])
     if starts is None or ends is None or axes is None or steps is None:
-        raise LoopRefusal(f"expert {e}: {label(sl)} has bounds that are not constant")
+        raise Refusal(f"expert {e}: {label(sl)} has bounds that are not constant")
     bounds = dict(zip(axes, zip(starts, ends, steps, strict=True), strict=True))
     rows = bounds.get(0, (0, _INT64_MAX, 1))
     cols = bounds.get(1, bounds.get(-1, (0, _INT64_MAX, 1)))
     if rows[0] != 0 or rows[1] != 1 or rows[2] != 1 or cols[0] != 0 or cols[2] != 1:
-        raise LoopRefusal(f"expert {e}: {label(sl)} is not the first row of the accumulator")
+        raise Refusal(f"expert {e}: {label(sl)} is not the first row of the accumulator")
     if cols[1] < hidden or set(bounds) - {0, 1, -1}:
-        raise LoopRefusal(f"expert {e}: {label(sl)} cuts the accumulator's columns")
+        raise Refusal(f"expert {e}: {label(sl)} cuts the accumulator's columns")
     return [sl], sl.inputs[0]
 
 
@@ -117,7 +118,7 @@ def read_step(v: ir.Value, tokens: ir.Value, e: int, hidden: int) -> Step:
         updates = expand.outputs[0]
         users = _data_users(updates)
     if len(users) != 1 or users[0].op_type not in ("ScatterElements", "ScatterND"):
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: its weighted rows {v.name!r} are not scattered into the accumulator "
             "(once)"
         )
@@ -125,19 +126,19 @@ def read_step(v: ir.Value, tokens: ir.Value, e: int, hidden: int) -> Step:
     nodes.append(scatter)
     data, index, upd = scatter.inputs[:3]
     if upd is not updates:
-        raise LoopRefusal(f"expert {e}: {label(scatter)} scatters its rows as indices or data")
+        raise Refusal(f"expert {e}: {label(scatter)} scatters its rows as indices or data")
     if scatter.op_type == "ScatterND":
         if not unsqueezed_last(index, tokens):
-            raise LoopRefusal(f"expert {e}: {label(scatter)} does not scatter at its token ids")
+            raise Refusal(f"expert {e}: {label(scatter)} does not scatter at its token ids")
         nodes.append(index.producer())
     else:
         expand = producer_op(index, "Expand")
         if attr_int(scatter, "axis", 0) != 0 or expand is None:
-            raise LoopRefusal(f"expert {e}: {label(scatter)} does not scatter whole rows")
+            raise Refusal(f"expert {e}: {label(scatter)} does not scatter whole rows")
         if not unsqueezed_last(expand.inputs[0], tokens) or not (
             _is_shape_of(expand.inputs[1], updates) or _is_shape_of(expand.inputs[1], v)
         ):
-            raise LoopRefusal(
+            raise Refusal(
                 f"expert {e}: {label(scatter)}'s indices are not its token ids repeated along "
                 "each row"
             )
@@ -146,16 +147,16 @@ def read_step(v: ir.Value, tokens: ir.Value, e: int, hidden: int) -> Step:
     if reduction == "add":
         return Step(e, data, scatter.outputs[0], scatter.op_type + "_add", nodes, shape_of)
     if reduction != "none":
-        raise LoopRefusal(f"expert {e}: {label(scatter)} reduces with {reduction!r}")
+        raise Refusal(f"expert {e}: {label(scatter)} reduces with {reduction!r}")
     add_users = _data_users(scatter.outputs[0])
     add = add_users[0] if len(add_users) == 1 else None
     if add is None or add.op_type != "Add" or scatter.outputs[0].is_graph_output():
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: {label(scatter)} overwrites rows without adding them to the accumulator"
         )
     acc = add.inputs[1] if add.inputs[0] is scatter.outputs[0] else add.inputs[0]
     if not _zeros_of(data, acc):
-        raise LoopRefusal(
+        raise Refusal(
             f"expert {e}: {label(scatter)} scatters into {data.name!r}, which is not zeros "
             "shaped like the accumulator"
         )
@@ -173,7 +174,7 @@ def chain(steps: list[Step]) -> tuple[ir.Value, list[ir.Value]]:
     for step in steps:
         if id(step.acc_in) in by_input:
             other = by_input[id(step.acc_in)]
-            raise LoopRefusal(
+            raise Refusal(
                 f"accumulation: experts {other.expert} and {step.expert} both add into "
                 f"{step.acc_in.name!r}"
             )
@@ -181,7 +182,7 @@ def chain(steps: list[Step]) -> tuple[ir.Value, list[ir.Value]]:
     outputs = {id(s.acc_out) for s in steps}
     starts = [s for s in steps if id(s.acc_in) not in outputs]
     if len(starts) != 1:
-        raise LoopRefusal(
+        raise Refusal(
             "accumulation: the experts' scatter-adds are not one chain from a single start"
         )
     start = starts[0].acc_in
@@ -190,5 +191,5 @@ def chain(steps: list[Step]) -> tuple[ir.Value, list[ir.Value]]:
         current = by_input.pop(id(current)).acc_out
         accs.append(current)
     if by_input:
-        raise LoopRefusal("accumulation: some experts' scatter-adds are off the chain")
+        raise Refusal("accumulation: some experts' scatter-adds are off the chain")
     return start, accs

@@ -1,9 +1,10 @@
 """Value-level proofs for the expert-loop pass: the mask, each expert's NonZero coordinates, shapes.
 
-A loop over all experts (optimum-onnx's patched Qwen3-MoE / Mixtral forwards, traced) starts
-from a one-hot mask of the routing TopK's ids, transposed to ``[E, k, T]``, and takes each
-expert's slice ``m_e [k, T]`` apart with ``NonZero``. Each helper here recognises one such piece
-and says what it holds, or raises :class:`LoopRefusal` naming the node when it cannot prove it:
+A loop over all experts (optimum-onnx's patched Qwen3-MoE / Mixtral forwards, traced) starts from a
+one-hot mask of the routing TopK's ids, transposed to ``[E, k, T]``, and takes each expert's slice
+``m_e [k, T]`` apart with ``NonZero``. Each helper here recognises one such piece and says what it
+holds, or raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` naming the node when it
+cannot prove it:
 
 * :func:`read_mask` - ``Transpose(OneHot(ids, E, [0, on]), [2, 1, 0])`` or
   ``Transpose(Cast(Equal(Unsqueeze(ids, -1), arange(E))), [2, 1, 0])``: ``M[e, s, t]`` is
@@ -30,10 +31,10 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import producer_op, small_const, uses
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_ints, label, node_axes
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 __all__ = [
-    "LoopRefusal",
     "Mask",
     "Coords",
     "read_mask",
@@ -46,10 +47,6 @@ __all__ = [
 ]
 
 _STD = ("", "ai.onnx")
-
-
-class LoopRefusal(Exception):
-    """An expert loop is not proved; ``args[0]`` says why, naming the part and the node."""
 
 
 @dataclass
@@ -164,20 +161,20 @@ def _expert_index(gather: ir.Node, experts: int) -> tuple[int, ir.Value, list[ir
     """``(e, m_e, nodes)`` for ``Gather(M, e)`` or ``Squeeze(Gather(M, [e]), [0])``."""
     index = small_const(gather.inputs[1])
     if attr_int(gather, "axis", 0) != 0 or index is None or index.size != 1:
-        raise LoopRefusal(f"mask: {label(gather)} does not pick one expert's slice of the mask")
+        raise Refusal(f"mask: {label(gather)} does not pick one expert's slice of the mask")
     e = int(index.reshape(-1)[0])
     e = e + experts if e < 0 else e
     if not 0 <= e < experts:
-        raise LoopRefusal(f"mask: {label(gather)} picks expert {e}, outside 0..{experts - 1}")
+        raise Refusal(f"mask: {label(gather)} picks expert {e}, outside 0..{experts - 1}")
     value, nodes = gather.outputs[0], [gather]
     nxt = _only_use(value)
     if index.ndim == 1:
         if nxt is None or nxt.op_type != "Squeeze" or node_axes(nxt) != [0]:
-            raise LoopRefusal(f"mask: {label(gather)} keeps the expert axis of the mask")
+            raise Refusal(f"mask: {label(gather)} keeps the expert axis of the mask")
         nodes.append(nxt)
         value = nxt.outputs[0]
     elif nxt is not None and nxt.op_type == "Squeeze":
-        raise LoopRefusal(
+        raise Refusal(
             f"mask: {label(nxt)} squeezes the slot axis of expert {e}'s [k, T] mask slice, so "
             "NonZero does not give (slot, token) pairs (for k > 1 ONNX Runtime refuses that "
             "Squeeze: torch.onnx writes torch's no-op squeeze(0) this way)"
@@ -236,16 +233,14 @@ def read_coords(gather: ir.Node, mask: Mask) -> Coords:
         value = step.outputs[0]
         step = _only_use(value)
     if step is None or step.op_type != "NonZero":
-        raise LoopRefusal(
-            f"expert {e}: the mask slice {value.name!r} is not read by one NonZero only"
-        )
+        raise Refusal(f"expert {e}: the mask slice {value.name!r} is not read by one NonZero only")
     nodes.append(step)
     transpose = _only_use(step.outputs[0])
     perm = transpose.attributes.get("perm") if transpose is not None else None
     if transpose is None or transpose.op_type != "Transpose" or perm is None:
-        raise LoopRefusal(f"expert {e}: the NonZero coordinates are not transposed to [n, 2]")
+        raise Refusal(f"expert {e}: the NonZero coordinates are not transposed to [n, 2]")
     if list(perm.value) != [1, 0]:
-        raise LoopRefusal(f"expert {e}: {label(transpose)} is not a [1, 0] transpose")
+        raise Refusal(f"expert {e}: {label(transpose)} is not a [1, 0] transpose")
     nodes.append(transpose)
     pairs = transpose.outputs[0]
     columns: dict[int, ir.Value] = {}
@@ -258,13 +253,11 @@ def read_coords(gather: ir.Node, mask: Mask) -> Coords:
                     continue
                 c, column, col_nodes = found
                 if c in columns and columns[c] is not column:
-                    raise LoopRefusal(f"expert {e}: column {c} of {pairs.name!r} is taken twice")
+                    raise Refusal(f"expert {e}: column {c} of {pairs.name!r} is taken twice")
                 columns[c] = column
                 nodes.extend(n for n in col_nodes if n not in nodes)
     if set(columns) != {0, 1}:
-        raise LoopRefusal(
-            f"expert {e}: the slot and token ids are not both read off {pairs.name!r}"
-        )
+        raise Refusal(f"expert {e}: the slot and token ids are not both read off {pairs.name!r}")
     return Coords(e, columns[0], columns[1], nodes)
 
 

@@ -25,7 +25,6 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
-    SortedRefusal,
     const_shape,
     is_unsqueeze_last,
     producer_op,
@@ -34,6 +33,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
 )
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, const_ints
 from onnx_moe_fuse.rewrites.graph.facts import node_axes as _axes
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = ["combine"]
 
@@ -198,26 +198,20 @@ def combine(fc2: ir.Value, perm: ir.Value, k: int, hidden: int) -> tuple[ir.Valu
         unsorted = _unsorted(fc2, perm)
         weighted = _weighted(unsorted, None) if unsorted is not None else None
         if weighted is None:
-            raise SortedRefusal(
+            raise Refusal(
                 f"{fc2.name!r} is not weighted and un-sorted by the inverse of the same permutation"
             )
         rows, weights = weighted
     if rows is None:
-        raise SortedRefusal(
-            "the weighted rows are not un-sorted by the inverse of the same permutation"
-        )
+        raise Refusal("the weighted rows are not un-sorted by the inverse of the same permutation")
     users = uses(rows)
     reshape = users[0] if len(users) == 1 and users[0].op_type == "Reshape" else None
     if reshape is None or not _is_slots_shape(const_ints(reshape.inputs[1]), perm, k, hidden):
-        raise SortedRefusal(
-            f"the un-sorted rows {rows.name!r} are not reshaped to [-1, {k}, {hidden}]"
-        )
+        raise Refusal(f"the un-sorted rows {rows.name!r} are not reshaped to [-1, {k}, {hidden}]")
     users = uses(reshape.outputs[0])
     reduce = users[0] if len(users) == 1 and users[0].op_type == "ReduceSum" else None
     if reduce is None or _axes(reduce) != [1] or attr_int(reduce, "keepdims", 1) != 0:
-        raise SortedRefusal(
-            f"{reshape.outputs[0].name!r} is not summed over the k slots (axes=[1])"
-        )
+        raise Refusal(f"{reshape.outputs[0].name!r} is not summed over the k slots (axes=[1])")
     if weights.shape is None or len(weights.shape) != 2 or weights.shape[1] != k:
-        raise SortedRefusal(f"the routing weights {weights.name!r} are not [T, {k}]")
+        raise Refusal(f"the routing weights {weights.name!r} are not [T, {k}]")
     return reduce.outputs[0], weights

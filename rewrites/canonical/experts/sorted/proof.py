@@ -28,9 +28,10 @@ transformers' ``grouped_mm`` experts, exported, compute for ``N = T*k`` routed r
 * the un-sort uses the inverse of the same ``perm``: a ``ScatterND(_, perm, arange)`` inverse, or
   ``ScatterND(_, perm, rows)``; the routing weights are gathered with the same ``perm``.
 
-Range/ScatterND lengths are not proved equal to ``N``: a model in which they differ fails in
-ONNX Runtime (ScatterND's updates must match its indices), so on any model that runs they agree.
-Only reads the graph; a failed proof raises :class:`SortedRefusal` with the reason.
+Range/ScatterND lengths are not proved equal to ``N``: a model in which they differ fails in ONNX
+Runtime (ScatterND's updates must match its indices), so on any model that runs they agree. Only
+reads the graph; a failed proof raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with
+the reason.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.sorted.segments import (
     projection,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
-    SortedRefusal,
     const_shape,
     is_floor_div,
     is_length_of,
@@ -57,9 +57,9 @@ from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
     uses,
 )
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_ints, label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = [
-    "SortedRefusal",
     "StackedWeight",
     "SortedBlock",
     "sort_candidates",
@@ -119,33 +119,31 @@ def _check_sort(sort: ir.Node) -> tuple[ir.Value, ir.Value, int, int]:
     flat = sort.inputs[0]
     ids = _routing_ids(flat)
     if ids is None:
-        raise SortedRefusal(
+        raise Refusal(
             f"{label(sort)} sorts {flat.name!r}, which is not the flattened expert indices of "
             "one routing TopK"
         )
     if len(sort.inputs) < 2 or len(ids.producer().inputs) < 2:
-        raise SortedRefusal(f"{label(sort)} does not sort the ids of a TopK with a K input")
+        raise Refusal(f"{label(sort)} does not sort the ids of a TopK with a K input")
     if attr_int(sort, "largest", 1) != 0 or attr_int(sort, "sorted", 1) != 1:
-        raise SortedRefusal(f"{label(sort)} is not an ascending sort (largest=0, sorted=1)")
+        raise Refusal(f"{label(sort)} is not an ascending sort (largest=0, sorted=1)")
     if attr_int(sort, "axis", -1) not in (0, -1) or flat.shape is None or len(flat.shape) != 1:
-        raise SortedRefusal(f"{label(sort)} does not sort one flat list of ids")
+        raise Refusal(f"{label(sort)} does not sort one flat list of ids")
     reshape = flat.producer()
     if reshape.op_type == "Reshape" and const_ints(reshape.inputs[1]) != [-1]:
-        raise SortedRefusal(f"{label(reshape)} does not flatten the ids with [-1]")
+        raise Refusal(f"{label(reshape)} does not flatten the ids with [-1]")
     if not is_length_of(sort.inputs[1], flat):
-        raise SortedRefusal(f"{label(sort)}'s K is not proved to be the length of {flat.name!r}")
+        raise Refusal(f"{label(sort)}'s K is not proved to be the length of {flat.name!r}")
     route = ids.producer()
     k_const = const_ints(route.inputs[1])
     if ids.shape is None or len(ids.shape) != 2 or not k_const or len(k_const) != 1:
-        raise SortedRefusal(
-            f"the routing {label(route)} does not give [T, k] ids with a constant k"
-        )
+        raise Refusal(f"the routing {label(route)} does not give [T, k] ids with a constant k")
     scores = route.inputs[0]
     if scores.shape is None or attr_int(route, "axis", -1) not in (-1, len(scores.shape) - 1):
-        raise SortedRefusal(f"the routing {label(route)} does not select along the experts axis")
+        raise Refusal(f"the routing {label(route)} does not select along the experts axis")
     num_experts = scores.shape[-1]
     if not isinstance(num_experts, int):
-        raise SortedRefusal(f"the number of experts ({scores.name!r} last dim) is not static")
+        raise Refusal(f"the number of experts ({scores.name!r} last dim) is not static")
     return flat, ids, k_const[0], num_experts
 
 
@@ -170,14 +168,14 @@ def _sorted_tokens(perm: ir.Value, k: int, ids: ir.Value) -> tuple[ir.Value, ir.
                             found.append((g.inputs[0], g.outputs[0]))
     unique = {id(rows): (tokens, rows) for tokens, rows in found}
     if len(unique) != 1:
-        raise SortedRefusal(
+        raise Refusal(
             f"expected one gather of the token rows by {perm.name!r} // {k}, found {len(unique)}"
         )
     tokens, rows = next(iter(unique.values()))
     if tokens.shape is None or len(tokens.shape) != 2:
-        raise SortedRefusal(f"the tokens {tokens.name!r} are not a [T, H] matrix")
+        raise Refusal(f"the tokens {tokens.name!r} are not a [T, H] matrix")
     if not _same_dim(tokens.shape[0], ids.shape[0]):
-        raise SortedRefusal(
+        raise Refusal(
             f"the tokens {tokens.name!r} and the ids {ids.name!r} are not proved to have the "
             "same number of rows"
         )
@@ -195,14 +193,14 @@ def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
 
 
 def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
-    """Prove the block whose argsort is ``sort``; raise :class:`SortedRefusal` otherwise."""
+    """Prove the block whose argsort is ``sort``; raise a ``Refusal`` otherwise."""
     flat, ids, k, num_experts = _check_sort(sort)
     sorted_ids, perm = sort.outputs
     tokens, rows = _sorted_tokens(perm, k, ids)
     if tokens.dtype != ir.DataType.FLOAT:
         # The layer rules fuse float32 experts only; a half-precision block would be rewritten
         # for nothing, and its refusal should say why it is left (the fuser reports it).
-        raise SortedRefusal(
+        raise Refusal(
             f"the block computes in {_dtype_name(tokens.dtype)} ({tokens.name!r}); the layer "
             "rules fuse float32 experts only"
         )
@@ -223,16 +221,16 @@ def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
     fc1_out, fc1_bias = _bias_added(fc1_out, sorted_ids, num_experts, tokens)
     region, why = rowwise_region(fc1_out, is_fc2_gather)
     if region is None:
-        raise SortedRefusal(f"activation: {why}")
+        raise Refusal(f"activation: {why}")
     fc2_out, fc2, _, offsets2 = projection(region.end, num_experts, "FC2")
     if offsets2 is not offsets:
-        raise SortedRefusal("FC2's segments do not use FC1's segment ends")
+        raise Refusal("FC2's segments do not use FC1's segment ends")
     _check_weight_shapes(tokens, fc1, fc2)
     hidden = fc2.k_major_dims()[1]
     fc2_out, fc2_bias = _bias_added(fc2_out, sorted_ids, num_experts, tokens)
     layer_out, weights = combine(fc2_out, perm, k, hidden)
     if not layer_out.is_graph_output() and not layer_out.uses():
-        raise SortedRefusal(f"the layer output {layer_out.name!r} is not used")
+        raise Refusal(f"the layer output {layer_out.name!r} is not used")
     return SortedBlock(
         sort, tokens, ids, weights, k, num_experts, fc1, fc2, region, layer_out, fc1_bias, fc2_bias
     )
@@ -281,8 +279,6 @@ def _check_weight_shapes(tokens: ir.Value, fc1: StackedWeight, fc2: StackedWeigh
     k1, _ = fc1.k_major_dims()
     _, n2 = fc2.k_major_dims()
     if not isinstance(hidden, int) or k1 != hidden or n2 != hidden:
-        raise SortedRefusal(
-            f"the expert weights do not map {tokens.name!r}'s {hidden} features back"
-        )
+        raise Refusal(f"the expert weights do not map {tokens.name!r}'s {hidden} features back")
     if fc1.value.dtype != tokens.dtype or fc2.value.dtype != tokens.dtype:
-        raise SortedRefusal("the expert weights and the tokens differ in dtype")
+        raise Refusal("the expert weights and the tokens differ in dtype")

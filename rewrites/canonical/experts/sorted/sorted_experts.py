@@ -21,9 +21,11 @@ already K-major are reused as they are. ``GroupedMatMul`` is opset 29: the defau
 import is raised to 29 when a block is rewritten (the working copy is never executed; the fuser
 lowers the opset again once the GroupedMatMul nodes are fused away).
 
-Blocks whose proof fails are left unchanged; :func:`sorted_experts_refusals` says why, and
-:func:`sorted_refusal_for` gives the reason for the block of one routing TopK (the fuser's near
-miss for a grouped_mm layer that did not fuse).
+Blocks whose proof fails are left unchanged; the pass records why as it runs
+(``CanonicalSortedExpertsPass.refusals``: a
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` per block, for the TopK whose ids it
+sorts: the fuser's near miss for a grouped_mm layer that did not fuse), and
+:func:`sorted_experts_refusals` lists the reasons of a model.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites.canonical.experts.rowwise import clone_rowwise
 from onnx_moe_fuse.rewrites.canonical.experts.sorted.proof import (
     SortedBlock,
-    SortedRefusal,
     StackedWeight,
     analyse_sorted_block,
     sort_candidates,
@@ -42,12 +43,12 @@ from onnx_moe_fuse.rewrites.canonical.experts.sorted.proof import (
 from onnx_moe_fuse.rewrites.canonical.spellings.common import FreshNames
 from onnx_moe_fuse.rewrites.graph.edits import ancestors, remove_dead
 from onnx_moe_fuse.rewrites.graph.facts import label
+from onnx_moe_fuse.rewrites.graph.refusals import SORTED_EXPERTS, Refusal
 from onnx_moe_fuse.rewrites.graph.tensor_reads import read_array
 
 __all__ = [
     "CanonicalSortedExpertsPass",
     "sorted_experts_refusals",
-    "sorted_refusal_for",
     "GROUPED_MATMUL_OPSET",
 ]
 
@@ -55,16 +56,16 @@ __all__ = [
 GROUPED_MATMUL_OPSET = 29
 
 
-def _analyse(sort: ir.Node) -> SortedBlock | str:
-    """The proved block of ``sort``, or the reason it is refused."""
+def _analyse(sort: ir.Node) -> SortedBlock | Refusal:
+    """The proved block of ``sort``, or the refusal saying why not."""
     try:
         return analyse_sorted_block(sort)
-    except SortedRefusal as exc:
-        return str(exc.args[0])
+    except Refusal as refusal:
+        return refusal
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
         # A shape of graph the proof did not foresee (a missing optional input, an odd
         # attribute): refusing keeps the pass from raising on a valid model.
-        return f"could not analyse the block ({type(exc).__name__}: {exc})"
+        return Refusal(f"could not analyse the block ({type(exc).__name__}: {exc})")
 
 
 def sorted_experts_refusals(model: ir.Model) -> list[tuple[str, str]]:
@@ -72,40 +73,23 @@ def sorted_experts_refusals(model: ir.Model) -> list[tuple[str, str]]:
     refusals = []
     for sort in sort_candidates(model.graph):
         result = _analyse(sort)
-        if isinstance(result, str):
-            refusals.append((label(sort), result))
+        if isinstance(result, Refusal):
+            refusals.append((label(sort), result.reason))
     return refusals
 
 
-def _sorts_ids_of(sort: ir.Node, topk: ir.Node) -> bool:
-    """``sort`` reads ``topk``'s ids (output 1) through shape-only nodes."""
+def _routing_topk(sort: ir.Node) -> ir.Node | None:
+    """The TopK whose ids (output 1) ``sort`` reads through shape-only nodes, else None."""
     value = sort.inputs[0]
     for _ in range(8):
         node = value.producer() if value is not None else None
         if node is None:
-            return False
-        if node is topk:
-            return value.index() == 1
+            return None
+        if node.op_type == "TopK":
+            return node if value.index() == 1 else None
         if node.op_type not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Identity"):
-            return False
+            return None
         value = node.inputs[0]
-    return False
-
-
-def sorted_refusal_for(topk: ir.Node) -> str | None:
-    """The pass's reason for leaving the block whose argsort sorts ``topk``'s ids, else None.
-
-    None when no argsort reads those ids, or when the block is proved (the pass rewrites it).
-    Re-runs the proof on the graph as it is; changes nothing.
-    """
-    graph = topk.graph
-    if graph is None:
-        return None
-    for sort in sort_candidates(graph):
-        if _sorts_ids_of(sort, topk):
-            result = _analyse(sort)
-            if isinstance(result, str):
-                return result
     return None
 
 
@@ -216,25 +200,26 @@ def _rewrite(model: ir.Model, block: SortedBlock) -> None:
 class CanonicalSortedExpertsPass(ir.passes.InPlacePass):
     """Rewrite every proved grouped_mm experts block into the per-slot GroupedMatMul form.
 
-    ``refusals`` holds ``(node, reason)`` for the blocks left alone by the last call.
+    ``refusals`` receives, while the pass runs, the refusal of each block it leaves as it is,
+    recorded as :data:`SORTED_EXPERTS`'s for the TopK whose ids the block sorts (the list the
+    pipeline hands it, or one of its own).
     """
 
-    def __init__(self) -> None:
-        """Start with no refusals."""
+    def __init__(self, refusals: list[Refusal] | None = None) -> None:
+        """Record refusals into ``refusals`` (a new list by default)."""
         super().__init__()
-        self.refusals: list[tuple[str, str]] = []
+        self.refusals: list[Refusal] = [] if refusals is None else refusals
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Prove and rewrite each block; leave every other node as it is."""
-        self.refusals = []
         modified = False
         # One block at a time, each proved on the graph as the previous rewrites left it.
         for sort in sort_candidates(model.graph):
             if sort.graph is not model.graph:
                 continue
             block = _analyse(sort)
-            if isinstance(block, str):
-                self.refusals.append((label(sort), block))
+            if isinstance(block, Refusal):
+                self.refusals.append(block.recorded_by(SORTED_EXPERTS, _routing_topk(sort)))
                 continue
             _rewrite(model, block)
             modified = True

@@ -23,14 +23,12 @@ from dense_models import DenseSpec, build_dense, reference
 from helpers import nonzero_rel_err
 
 from onnx_moe_fuse import fuse
-from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import DENSE_PARTS
 from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import (
     CanonicalDenseExpertsPass,
     dense_experts_refusals,
-    dense_refusal_at,
-    dense_refusal_for,
 )
-from onnx_moe_fuse.rewrites.moe.analysis import PARTS
+from onnx_moe_fuse.rewrites.graph.facts import label
+from onnx_moe_fuse.rewrites.graph.refusals import DENSE_EXPERTS, Refusal, recorded, source_label
 from onnx_moe_fuse.verify.ort_nodes import session
 
 TOL = 1e-5
@@ -204,18 +202,24 @@ MUTANT_IDS = [f"{m[0].form}-{m[1]}-{m[2]}" for m in MUTANTS]
 def test_mutant_refusal_names_part_and_node(
     spec: DenseSpec, part: str, node: str, reason: str
 ) -> None:
-    """The pass recognises the layer from its mask, leaves it, and says which part is wrong."""
+    """The pass recognises the layer from its mask, leaves it, and records which part is wrong."""
     model = build_dense(spec)
     ir_model = ir.serde.deserialize_model(model)
     before = ir.serde.serialize_model(ir_model).SerializeToString()
     topk = next(n for n in ir_model.graph if n.op_type == "TopK")
-    refusal = dense_refusal_for(topk)
-    assert refusal is not None and refusal.recognised, refusal
-    assert refusal.part == part and node in refusal.node and reason in refusal.reason, refusal
-    masks = [n for n in ir_model.graph if n.op_type in ("OneHot", "Equal", "ScatterElements")]
-    assert masks and all(dense_refusal_at(m) == refusal for m in masks)
-    assert not CanonicalDenseExpertsPass()(ir_model).modified
+    pss = CanonicalDenseExpertsPass()
+    assert not pss(ir_model).modified
     assert ir.serde.serialize_model(ir_model).SerializeToString() == before
+    refusal = recorded(pss.refusals, DENSE_EXPERTS, topk)  # recorded: the layer was recognised
+    assert refusal is not None and pss.refusals == [refusal], pss.refusals
+    assert refusal.part == part and node in _where(refusal, topk), refusal
+    assert reason in refusal.reason, refusal
+
+
+def _where(refusal: Refusal, topk: ir.Node) -> str:
+    """The node or value a dense refusal names first (the TopK when it names none)."""
+    sources = refusal.failure_sources
+    return source_label(sources[0]) if sources else label(topk)
 
 
 @pytest.mark.parametrize("spec, part, node, reason", MUTANTS, ids=MUTANT_IDS)
@@ -243,9 +247,12 @@ def test_dense_weights_used_twice_named_in_the_combine() -> None:
     model.graph.node.append(onnx.helper.make_node("Shape", ["dense_weights"], ["dense_shape"]))
     model.graph.output.append(onnx.helper.make_tensor_value_info("dense_shape", 7, None))
     source = model.SerializeToString()
-    topk = next(n for n in ir.serde.deserialize_model(model).graph if n.op_type == "TopK")
-    refusal = dense_refusal_for(topk)
-    assert refusal is not None and refusal.recognised and refusal.part == "combine", refusal
+    ir_model = ir.serde.deserialize_model(model)
+    topk = next(n for n in ir_model.graph if n.op_type == "TopK")
+    pss = CanonicalDenseExpertsPass()
+    pss(ir_model)
+    refusal = recorded(pss.refusals, DENSE_EXPERTS, topk)
+    assert refusal is not None and refusal.part == "combine", refusal
     result = fuse(model)
     assert not result.report.fusions and result.model.SerializeToString() == source
     (miss,) = [m for m in result.report.near_misses if "has 2 uses" in m["reason"]]
@@ -265,14 +272,7 @@ def test_softmax_of_the_topk_values_over_tokens_named_by_the_rules() -> None:
     assert miss["part"] == "routing" and "not over the k axis" in miss["reason"], miss
 
 
-def test_dense_parts_are_layer_parts() -> None:
-    """The parts a dense refusal names are the layer rules' parts (the near miss's ``part``)."""
-    assert set(DENSE_PARTS) <= set(PARTS)
-
-
 def test_proved_layer_has_no_refusal() -> None:
     model = ir.serde.deserialize_model(build_dense(DenseSpec(form="equal")))
-    topk = next(n for n in model.graph if n.op_type == "TopK")
-    assert dense_refusal_for(topk) is None
-    router = next(n for n in model.graph if n.op_type == "MatMul")
-    assert dense_refusal_for(router) is None  # not a TopK: no dense layer
+    pss = CanonicalDenseExpertsPass()
+    assert pss(model).modified and pss.refusals == []

@@ -5,7 +5,7 @@ patched forward, E in {2, 4}, k in {1, 2}, SwiGLU and Relu experts) are rewritte
 per-slot form and keep their numbers in ORT CPU (GroupedMatMul decomposed into the Gather/MatMul
 form ORT runs) on fresh random tokens, T = 1, T < E and more. Each mutation that breaks one link
 of the proof leaves the model byte-identical with a reason naming the link, and
-:func:`loop_refusal_for` gives that reason for the loop's TopK.
+the pass records that reason, as it runs, for the loop's TopK.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import onnx_moe_fuse
 from onnx_moe_fuse.rewrites.canonical.experts.loops.expert_loop import (
     CanonicalExpertLoopPass,
     expert_loop_refusals,
-    loop_refusal_for,
 )
+from onnx_moe_fuse.rewrites.graph.facts import label
+from onnx_moe_fuse.rewrites.graph.refusals import EXPERT_LOOP, recorded
 
 H = 16
 
@@ -108,21 +109,24 @@ def test_broken_loops_stay_byte_identical_with_the_reason(mutation: str, spellin
     pss = CanonicalExpertLoopPass()
     assert not pss(model).modified
     assert _bytes(model) == before
-    assert len(pss.refusals) == 1, pss.refusals
-    reason = pss.refusals[0][1]
+    [refusal] = pss.refusals
+    reason = refusal.reason
     assert all(w in reason for w in _REASONS[mutation]), reason
-    assert expert_loop_refusals(model) == pss.refusals
-    topk = next(n for n in model.graph if n.name == pss.refusals[0][0])
-    assert loop_refusal_for(topk) == reason
+    assert refusal.stage == EXPERT_LOOP and refusal.topk.op_type == "TopK"
+    assert expert_loop_refusals(model) == [(label(refusal.topk), reason)]
+    assert recorded(pss.refusals, EXPERT_LOOP, refusal.topk) is refusal
 
 
-def test_loop_refusal_for_is_none_for_a_proved_loop_and_other_topks():
+def test_the_refusal_is_recorded_for_the_masking_topk_only():
     model = ir.serde.deserialize_model(build_loop(LoopSpec(mutation="other_topk")))
     topks = [n for n in model.graph if n.op_type == "TopK"]
-    reasons = [loop_refusal_for(t) for t in topks]
+    pss = CanonicalExpertLoopPass()
+    pss(model)
+    reasons = [recorded(pss.refusals, EXPERT_LOOP, t) for t in topks]
     assert reasons[0] is None and reasons[1] is not None  # only the masking TopK has a loop
     proved = ir.serde.deserialize_model(build_loop(LoopSpec()))
-    assert loop_refusal_for(next(n for n in proved.graph if n.op_type == "TopK")) is None
+    pss = CanonicalExpertLoopPass()
+    assert pss(proved).modified and pss.refusals == []
 
 
 def test_pass_reads_no_expert_weights():

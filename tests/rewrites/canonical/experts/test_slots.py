@@ -250,8 +250,8 @@ def with_slots_pass(monkeypatch):
     """The pipeline with ``CanonicalSlotsPass`` right after ``NormalizeSpellingsPass``."""
     registered = canonicalise_module.canonicalisation_passes
 
-    def passes():
-        found = registered()
+    def passes(refusals=None):
+        found = registered(refusals)
         kinds = [type(p).__name__ for p in found]
         if "CanonicalSlotsPass" not in kinds:
             found.insert(kinds.index("NormalizeSpellingsPass") + 1, CanonicalSlotsPass())

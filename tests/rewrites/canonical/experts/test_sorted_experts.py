@@ -1,18 +1,18 @@
 """Tests of ``CanonicalSortedExpertsPass``: grouped_mm (sorted rows) experts -> GroupedMatMul.
 
-On the exported ``mixtral_grouped_mm`` sample: the pass writes the per-slot form, keeps the
-boundary names, leaves the original model's bytes alone, keeps the numbers (ORT CPU, with
-GroupedMatMul decomposed into the Gather/MatMul form ORT runs), and ``fuse`` then fuses one MoE
-matching the stored PyTorch output. Negative tests break one link of the proof in the sample
-(an un-sort by another permutation, bin edges, expert order, a non-row-wise activation) and
-check the block comes out byte-identical with a reason. The causal-LM exports in
-``sample_models/exported/causal_lm`` (whole models, several families, dynamic and static shapes)
-fuse every layer their metadata expects through ``fuse`` and match PyTorch; float16 exports fuse
-nothing and are refused naming the dtype. The static export's folded un-sort constants are
-broken one at a time (not ``arange``, a longer blank, slots of another token count) and stay
-refused. :func:`sorted_refusal_for` gives one routing TopK's reason. A hypothesis property builds
-random hand-written blocks (:mod:`sorted_models`: sizes, activation, biases, weight layout,
-floor-divide, weighting and un-sort spellings) and checks the numbers.
+On the exported ``mixtral_grouped_mm`` sample: the pass writes the per-slot form, keeps the boundary
+names, leaves the original model's bytes alone, keeps the numbers (ORT CPU, with GroupedMatMul
+decomposed into the Gather/MatMul form ORT runs), and ``fuse`` then fuses one MoE matching the
+stored PyTorch output. Negative tests break one link of the proof in the sample (an un-sort by
+another permutation, bin edges, expert order, a non-row-wise activation) and check the block comes
+out byte-identical with a reason. The causal-LM exports in ``sample_models/exported/causal_lm``
+(whole models, several families, dynamic and static shapes) fuse every layer their metadata expects
+through ``fuse`` and match PyTorch; float16 exports fuse nothing and are refused naming the dtype.
+The static export's folded un-sort constants are broken one at a time (not ``arange``, a longer
+blank, slots of another token count) and stay refused. The pass records each refusal, as it runs,
+for the routing TopK whose ids it sorts. A hypothesis property builds random hand-written blocks
+(:mod:`sorted_models`: sizes, activation, biases, weight layout, floor-divide, weighting and un-sort
+spellings) and checks the numbers.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import onnx_moe_fuse
 from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import (
     CanonicalSortedExpertsPass,
     sorted_experts_refusals,
-    sorted_refusal_for,
 )
+from onnx_moe_fuse.rewrites.graph.refusals import SORTED_EXPERTS, recorded
 
 SAMPLE = Path(__file__).resolve().parents[4] / "sample_models" / "exported" / "mixtral_grouped_mm"
 BOUNDARY = ("hidden_states", "view", "linear", "sum_2", "output")
@@ -79,9 +79,9 @@ def _assert_refused(model: ir.Model, *words: str) -> None:
     assert not pss(work).modified
     assert _bytes(work) == before
     assert len(pss.refusals) == 1, pss.refusals
-    reason = pss.refusals[0][1]
+    reason = pss.refusals[0].reason
     assert all(w in reason for w in words), reason
-    assert sorted_experts_refusals(model) == pss.refusals
+    assert [r for _, r in sorted_experts_refusals(model)] == [reason]
 
 
 def _node_by_output(model: ir.Model, name: str) -> ir.Node:
@@ -314,24 +314,35 @@ def _routing_topk(model: ir.Model, sort: ir.Node) -> ir.Node:
     return sort.inputs[0].producer().inputs[0].producer()
 
 
-def test_sorted_refusal_for_names_the_reason_of_that_layer_only():
+def _recorded(model: ir.Model, topk: ir.Node) -> str | None:
+    """The reason the pass records for the block that sorts ``topk``'s ids (None: none)."""
+    pss = CanonicalSortedExpertsPass()
+    pss(model)
+    refusal = recorded(pss.refusals, SORTED_EXPERTS, topk)
+    return None if refusal is None else refusal.reason
+
+
+def test_the_refusal_is_recorded_for_that_layer_only():
     model = _sample()
     (sort,) = [n for n in model.graph if n.op_type == "TopK" and n.inputs[0].name == "view_3"]
     router = _routing_topk(model, sort)
-    assert sorted_refusal_for(router) is None  # proved: the pass rewrites it
+    proved = CanonicalSortedExpertsPass()
+    assert proved(model.clone()).modified and proved.refusals == []  # the pass rewrites it
     sort.attributes["largest"] = ir.AttrInt64("largest", 1)
     before = _bytes(model)
-    reason = sorted_refusal_for(router)
+    reason = _recorded(model, router)
     assert reason is not None and "ascending" in reason
     assert _bytes(model) == before
-    assert sorted_refusal_for(sort) is None  # the argsort itself routes nothing
+    assert _recorded(model, sort) is None  # the argsort itself routes nothing
 
 
-def test_sorted_refusal_for_a_float16_layer_names_the_dtype():
+def test_the_refusal_of_a_float16_layer_names_the_dtype():
     path = SAMPLE.parent / "causal_lm" / "mixtral_grouped_mm_dynamic_op23_fp16.onnx"
     model = ir.load(str(path))
-    sorts = [n for n in model.graph if n in _sort_nodes(model)]
-    reasons = [sorted_refusal_for(_routing_topk(model, s)) for s in sorts]
+    topks = [_routing_topk(model, s) for s in model.graph if s in _sort_nodes(model)]
+    pss = CanonicalSortedExpertsPass()
+    pss(model)
+    reasons = [recorded(pss.refusals, SORTED_EXPERTS, t).reason for t in topks]
     assert len(reasons) == 2 and all("float16" in r for r in reasons), reasons
 
 
@@ -350,7 +361,7 @@ def _static_block_refused(model: ir.Model, broken: ir.Node, *words: str) -> None
     """Layer 0's block (``broken`` in it) is refused with ``words``; layer 1 is still rewritten."""
     work, pss, modified = _canonical(model)
     assert modified and len(pss.refusals) == 1, pss.refusals
-    assert all(w in pss.refusals[0][1] for w in words), pss.refusals
+    assert all(w in pss.refusals[0].reason for w in words), pss.refusals
     assert broken.name in {n.name for n in work.graph}
     assert _ops(work)["GroupedMatMul"] == 2
 

@@ -90,7 +90,7 @@ def _op_spellings_layer() -> onnx.ModelProto:
 
 def _assert_fuses_after_normalising(model: onnx.ModelProto, rng, monkeypatch) -> None:
     with monkeypatch.context() as m:  # the rules alone do not take these spellings
-        m.setattr(canonicalise_module, "canonicalisation_passes", lambda: [])
+        m.setattr(canonicalise_module, "canonicalisation_passes", lambda refusals=None: [])
         assert not fuse(model).report.fusions
     normalised, modified = normalise(model)
     assert modified
@@ -113,7 +113,9 @@ def test_gemm_swish_reciprocal_tile_layer_fuses(rng, monkeypatch):
 
 def test_pipeline_splices_into_the_original(rng, monkeypatch):
     monkeypatch.setattr(
-        canonicalise_module, "canonicalisation_passes", lambda: [NormalizeSpellingsPass()]
+        canonicalise_module,
+        "canonicalisation_passes",
+        lambda refusals=None: [NormalizeSpellingsPass()],
     )
     for model, router_op in ((_einsum_layer(), "Einsum"), (_op_spellings_layer(), "Gemm")):
         result = fuse(model)
