@@ -1,17 +1,15 @@
-"""onnxscript rewriter rules, one rule family per module.
+"""onnxscript rewriter rules and the canonicalisation that feeds them, one folder per concern.
 
-* :mod:`.moe_layer`: mixture-of-experts layers -> ``com.microsoft.MoE`` / ``QMoE``
-  (``moe_layer_rules``, ``moe_layer_rule_set``, ``moe_layer_ruleset``), anchored at the slot
-  combines; its catalogue also holds :mod:`.moe_layer_batched`, the same family anchored at the
-  flattened-rows combine of torch.onnx ``batched_mm`` exports.
+* :mod:`.graph`: what every rule and pass shares (graph facts, symbolic dims, one matcher, the
+  one refusal type and near-miss record, tensor reads, the weight-sink type);
+* :mod:`.moe`: mixture-of-experts layers -> ``com.microsoft.MoE`` / ``QMoE`` (rules, per-part
+  recognisers in :mod:`.moe.parts`, proofs, emission, routers);
+* :mod:`.qkv`: RMS norm + three 4-bit projections -> ``com.microsoft.MatMulNBitsQkv``;
+* :mod:`.canonical`: the canonicalisation passes (shapes, weights, op spellings, expert forms),
+  run on a working copy so that the rules see one spelling of every part.
 
-:mod:`.parts` recognises a layer part by part (small patterns, typed facts, one failure type).
-Private helpers: ``_moe_rule`` (the base rule: combine anchor, recognition, proof, emission),
-``_moe_analysis`` (the proofs behind the checks, and the steps both layouts share),
-``_moe_rows_analysis`` (the flattened-rows proofs), ``_moe_emit`` (weight repacking) and
-``_graph_facts`` (constants, static ranks, symbolic shapes).
-
-Memory (docs/architecture.md, "Memory"): :mod:`.weight_sink` is the type of the sink the rules
-hand their repacked weights to (default: in memory), :mod:`.tensor_reads` reads a constant's
-numbers without leaving external data mapped.
+The rules import the op contract (:mod:`onnx_moe_fuse.contract`) and :mod:`.graph` only, never
+the fuser or the kernels (``tests/test_import_layers.py``). Memory (``docs/architecture.md``):
+rules hand repacked weights to a :mod:`.graph.weight_sink` and read constants through
+:mod:`.graph.tensor_reads`, so no layer's weights stay in memory.
 """

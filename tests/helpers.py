@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+import onnxruntime as ort
+from onnx import numpy_helper, parser
 
 from onnx_moe_fuse.verify.oracles.quant import pack_qmoe
 
@@ -246,3 +247,41 @@ def decompose_grouped_matmul(model: Any, opset: int = 18) -> onnx.ModelProto:
     work.opset_imports[""] = opset
     work.graph.opset_imports[""] = opset
     return ir.serde.serialize_model(work)
+
+
+# -- ONNX text models run in ORT ----------------------------------------------------------------
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+}
+
+
+def parse(text: str) -> onnx.ModelProto:
+    """A checked model from ONNX text."""
+    model = parser.parse_model(text)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """An ORT CPU session with every graph optimisation off."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def random_feeds(sess: ort.InferenceSession, rng: np.random.Generator, dims: dict | None = None):
+    """Random inputs for a session (symbolic dims from ``dims``, else 3); never all zeros."""
+    feeds = {}
+    for arg in sess.get_inputs():
+        shape = [d if isinstance(d, int) else (dims or {}).get(d, 3) for d in arg.shape]
+        np_type = _ORT_TYPES[arg.type]
+        if np.issubdtype(np_type, np.integer):
+            feeds[arg.name] = rng.integers(-50, 50, size=shape).astype(np_type)
+        else:
+            feeds[arg.name] = rng.standard_normal(shape).astype(np_type)
+    return feeds

@@ -1,6 +1,6 @@
 """Why a layer whose combine splits the token rows did not fuse: its other parts, named.
 
-``spelling_split_rows`` moves a ``[B, S]`` split out of a combine only when it proves the
+``canonical/spellings/split_rows.py`` moves a ``[B, S]`` split out of a combine only when it proves the
 weights and the expert outputs split the same way. When it cannot (the router reads other rows,
 the TopK runs over another axis, the dims are unknown), no layer rule matches the combine, and
 the near miss would only say the layer is not recognised. This diagnosis says more: on a

@@ -1,6 +1,6 @@
 """Graph edits the layer-form passes share: a node's ancestors, and removing what a rewrite left dead.
 
-A layer-form pass (``sorted_experts``, ``loop_experts``) replaces a block's output with the
+A layer-form pass (``sorted_experts``, ``expert_loop``) replaces a block's output with the
 per-slot form and then removes the block: :func:`remove_dead` takes the block's nodes
 (:func:`ancestors` of the replaced node) and removes, in reverse graph order, those nothing uses
 any more, with the initializers only they read.

@@ -126,7 +126,7 @@ def analyse_layer(
     None skips it, as ``rewrite`` does once ``check`` has passed).
 
     This is the per-slot form (projections ``[*, k, N]``); the flattened-rows form of
-    torch.onnx ``batched_mm`` exports is :func:`._moe_rows_analysis.analyse_rows_layer`. Both
+    torch.onnx ``batched_mm`` exports is :func:`.rows_analysis.analyse_rows_layer`. Both
     end in :func:`finish_layer`.
     """
     root = b["layer_out"].producer()

@@ -7,11 +7,11 @@ transformers' MoE experts with ``experts_implementation="batched_mm"``, exported
     ReduceSum(Reshape(Mul(fc2_rows, Unsqueeze(Reshape(w, [-1]), -1)), [-1, k, H]), [1])
 
 The rules here anchor at that combine (:mod:`.parts.combine`, form ``reshape_reduce_sum``) and
-recognise the rest part by part like the per-slot rules of :mod:`.moe_layer`, which list them in
+recognise the rest part by part like the per-slot rules of :mod:`.layer_rules`, which list them in
 their catalogue: FC2 and FC1 as GatherND + MatMul projections of rows
 (:mod:`.parts.projections`), the token rows ``Reshape(Expand|Tile(Unsqueeze(x)))`` (no repeat
 for k = 1), any activation. ``check`` proves the meaning with
-:func:`~._moe_rows_analysis.analyse_rows_layer` (every Reshape target, Unsqueeze/Squeeze axis,
+:func:`~.rows_analysis.analyse_rows_layer` (every Reshape target, Unsqueeze/Squeeze axis,
 the repeat count k, each projection's ids chain from the TopK indices, GatherND
 ``batch_dims=0``, the weight layout given by the MatMul operand order, then the shared routing,
 weight, activation and target steps).

@@ -1,6 +1,6 @@
 """Repacking of proved expert weights into the fused node's inputs.
 
-Input: a :class:`~._moe_analysis.LayerPlan` (weights in GroupedMatMul's K-major ``[E, K, N]``).
+Input: a :class:`~.analysis.LayerPlan` (weights in GroupedMatMul's K-major ``[E, K, N]``).
 Output: the arrays of ORT's output-major layout:
 
 * MoE: ``fc1 [E, N1, H]``, ``fc1_bias [E, N1]``, ``fc2 [E, H, I]``, ``fc2_bias [E, H]``;

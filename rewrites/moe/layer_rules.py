@@ -11,20 +11,20 @@ compose: any known FC1 x activation x FC2 x combine spelling is one layer, in ei
   ``Reshape``, biases as GroupedMatMul's 4th input or ``Gather(bias, indices)`` + ``Add``;
   combined by ``ReduceSum(Mul(expert_out, Unsqueeze(weights, -1)), k axis)`` or ``MatMul`` of
   the weights as a row vector (then ``Squeeze`` or ``Reshape``); FC2 may also be flattened
-  ``[T*k, H]`` rows un-flattened by a ``Reshape`` (:mod:`.moe_layer_batched` for the rows'
+  ``[T*k, H]`` rows un-flattened by a ``Reshape`` (:mod:`.batched_rules` for the rows'
   own combine);
 * activation: SwiGLU of separate gate and up experts (:class:`GatedSwiGLUMoELayer`) or of one
   FC1 cut by ``Slice``/``Split`` (:class:`FusedSwiGLUMoELayer`), with optional ``Clip`` limits,
   alpha and beta; Relu, tanh Gelu, SiLU, identity, and the exact-GELU spellings it must refuse
   (:class:`ElementwiseMoELayer`). A rule recognises every family and fuses its own.
 
-``check`` proves the meaning with :func:`~._moe_analysis.analyse_layer` or
-:func:`~._moe_rows_analysis.analyse_rows_layer` (axes, ``k``, Reshape targets, constants, the
+``check`` proves the meaning with :func:`~.analysis.analyse_layer` or
+:func:`~.rows_analysis.analyse_rows_layer` (axes, ``k``, Reshape targets, constants, the
 same TopK indices everywhere, dtypes, zero points, clamp limits, the routing form, the router
 reading the experts' token rows, escapes) and returns a failed ``MatchResult`` whose reason
-names the part (``"fc2: ..."``) otherwise. ``rewrite`` (:class:`._moe_rule.MoELayerRule`)
+names the part (``"fc2: ..."``) otherwise. ``rewrite`` (:class:`.rule_base.MoELayerRule`)
 recognises and proves again (nothing is kept on the rule), repacks the weights
-(:mod:`._moe_emit`) and emits one node with every attribute written and its inputs at ORT's
+(:mod:`.emit`) and emits one node with every attribute written and its inputs at ORT's
 positions. The rest of the layer is left dead for a dead-code pass (``onnx_moe_fuse.pipeline``;
 a rule set used alone sweeps it itself).
 
@@ -103,7 +103,7 @@ def moe_layer_rules(
 ) -> list[pattern.RewriteRule]:
     """Every layer rule (each class x each of its combine forms), emitting only ``emit``.
 
-    ``probe``, ``splice`` and ``weight_sink``: see :class:`._moe_rule.MoELayerRule`.
+    ``probe``, ``splice`` and ``weight_sink``: see :class:`.rule_base.MoELayerRule`.
     """
     emit = frozenset(emit)
     return [

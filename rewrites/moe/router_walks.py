@@ -147,7 +147,7 @@ _SAME_RANK = frozenset({"Softmax", "Sigmoid", "Cast", "Identity", "Add", "Sub", 
 def _rank(value: ir.Value | None, depth: int = 0) -> int | None:
     """The rank of ``value`` from its shape or a few producers, else None.
 
-    Not ``_graph_facts.static_rank``: it reads constants through ``get_const_tensor``, which
+    Not ``graph.facts.static_rank``: it reads constants through ``get_const_tensor``, which
     renames the (shared) tensor of a Constant node.
     """
     if value is None or depth > 16:

@@ -2,7 +2,7 @@
 
 The routing form decides ``router_probs`` and ``normalize_routing_weights`` (softmax -> top-k
 -> renormalised, as they are, or top-k -> softmax); the combine's axes and shapes are proved on
-symbolic dims. Used by :func:`._moe_analysis.analyse_layer` and the rows layout.
+symbolic dims. Used by :func:`.analysis.analyse_layer` and the rows layout.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ transformers' ``batched_mm`` experts, exported by torch.onnx (dynamo), compute a
 :func:`analyse_rows_layer` proves each of these structural constants (row ``t*k + j`` is token
 ``t``'s slot ``j`` everywhere: in the repeated tokens, the flattened ids, the flattened weights
 and the un-flattening before the sum), then reuses the per-slot analysis for everything else:
-the routing form (:func:`~._moe_analysis.routing_form`), the weights and biases
-(:func:`~._moe_analysis.expert_weights`, which reads ``[E, N, K]`` weights as their K-major
-transpose), sizes, activation, target and escapes (:func:`~._moe_analysis.finish_layer`).
-Like :func:`~._moe_analysis.analyse_layer`, it is a pure function of the graph and the bindings
+the routing form (:func:`~.analysis.routing_form`), the weights and biases
+(:func:`~.analysis.expert_weights`, which reads ``[E, N, K]`` weights as their K-major
+transpose), sizes, activation, target and escapes (:func:`~.analysis.finish_layer`).
+Like :func:`~.analysis.analyse_layer`, it is a pure function of the graph and the bindings
 and raises a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with a plain-words reason.
 
 The token count ``T`` is a symbol (the proofs hold for every ``T``) unless the graph fixes it
@@ -274,7 +274,7 @@ def analyse_rows_layer(
 ) -> LayerPlan:
     """Prove that a recognised flattened-rows layer equals one fused node; raise otherwise.
 
-    Arguments as :func:`~._moe_analysis.analyse_layer`. ``combine`` is ``reshape_reduce_sum``
+    Arguments as :func:`~.analysis.analyse_layer`. ``combine`` is ``reshape_reduce_sum``
     (the weighted rows un-flattened and summed) or a slot combine of FC2's rows un-flattened
     into ``[T, k, H]`` slots (bound ``fc2_slots``). The tokens must be ``[T, H]`` (rank 2) and
     so is the fused node's input.

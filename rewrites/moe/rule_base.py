@@ -14,7 +14,7 @@ its failed ``MatchResult`` (reading ``"part: reason"``, and carrying the refusal
 pipeline's tracer). ``rewrite`` recognises and proves again
 (nothing is kept on the rule) and emits the fused node from the plan.
 
-The concrete rules (:mod:`.moe_layer`, :mod:`.moe_layer_batched`) give an activation ``family``
+The concrete rules (:mod:`.layer_rules`, :mod:`.batched_rules`) give an activation ``family``
 and their combine forms: a rule recognises a layer of any family and fuses only its own, so a
 layer's near misses are the same whichever rule reports them.
 """

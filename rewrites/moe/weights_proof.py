@@ -2,7 +2,7 @@
 
 :func:`expert_weights` reads a projection's constant weights (through layout ops and
 DequantizeLinear: int4/uint4/int8/uint8, symmetric zero points, per channel or blocked) into an
-:class:`~._moe_plan.ExpertWeights` in GroupedMatMul's ``[E, K, N]`` layout; :func:`expert_bias`
+:class:`~.plan.ExpertWeights` in GroupedMatMul's ``[E, K, N]`` layout; :func:`expert_bias`
 reads its bias. Codes are decoded only when the rewrite needs them.
 """
 

@@ -1,7 +1,7 @@
 """Graph facts for the RMS norm + Q/K/V rule: its constants, dtype/shape inference, small readers.
 
 Shared by the pattern, the projection and norm proofs and the rule (``matmul_nbits_qkv.py``);
-constants and attributes are read exactly as the MoE rules read them (``_graph_facts``).
+constants and attributes are read exactly as the MoE rules read them (``rewrites/graph/facts.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The RMS norm + Q/K/V patterns: norm spellings, projections, and the matcher that counts them.
 
-One pattern per norm spelling (:data:`~._qkv_graph.NORM_FORMS`) and projection mix; the
+One pattern per norm spelling (:data:`~.graph.NORM_FORMS`) and projection mix; the
 matcher (:class:`_PreludeMatcher`) insists on exactly three projections of the normed value.
 """
 

@@ -10,7 +10,7 @@ Reshape target and Expand shape replaced by the concrete shape it makes (what a 
 holds). A fused static model must compute what the static original computes in ONNX Runtime.
 
 The per-slot layers (the samples' Gather/MatMul and GroupedMatMul spellings) need the
-``_moe_analysis.py`` change described in the H3 report; until it lands those tests are strict
+``rewrites/moe/analysis.py`` change described in the H3 report; until it lands those tests are strict
 xfails, so they fail the moment it does and the mark can go.
 """
 

@@ -3,7 +3,7 @@
 Exporters and onnx's function inliner compute Reshape / Expand / Split / Range shapes in the
 graph: ``Shape(x)`` -> ``Gather`` / ``Slice`` -> ``Concat`` with constants, ``Mul`` / ``Div`` of
 shape scalars, ``Squeeze`` / ``Unsqueeze`` of the pieces. The layer proofs read constant
-targets only (``_graph_facts.reshape_dims``), so :class:`FoldShapesPass` rewrites them:
+targets only (``graph.dims.reshape_dims``), so :class:`FoldShapesPass` rewrites them:
 
 1. onnxscript's ``fold_constants``, allowed to fold only integer shape arithmetic (never a
    weight: DequantizeLinear, Transpose or Reshape of a constant weight stay as they are), folds

@@ -7,17 +7,17 @@ the same arithmetic in other ops; :class:`NormalizeSpellingsPass` rewrites those
 matched forms on the working copy (never the original: the fused regions are spliced back by
 value name), one family of small rules per module:
 
-* :mod:`.spelling_activation`: ``Swish``, ``QuickGelu`` -> ``Mul(x, Sigmoid(Mul(x, alpha)))``;
-* :mod:`.spelling_arith`: ``Gemm`` -> ``MatMul`` (+ ``Transpose``, ``Mul``, ``Add``);
+* :mod:`.activation`: ``Swish``, ``QuickGelu`` -> ``Mul(x, Sigmoid(Mul(x, alpha)))``;
+* :mod:`.arith`: ``Gemm`` -> ``MatMul`` (+ ``Transpose``, ``Mul``, ``Add``);
   ``Mul(v, Reciprocal(s))`` -> ``Div(v, s)`` (a last-bit difference, see there); the constant
   operand of ``Mul``/``Add`` second;
-* :mod:`.spelling_clamp`: ``Min``/``Max`` with scalar constants, nested one-sided ``Clip``s and
+* :mod:`.clamp`: ``Min``/``Max`` with scalar constants, nested one-sided ``Clip``s and
   attribute ``Clip`` (opset < 11) -> ``Clip(x, lo, hi)`` with inputs;
-* :mod:`.spelling_cast`: ``Cast`` chains that keep precision -> one ``Cast`` or none;
-* :mod:`.spelling_tile`: ``Tile`` that repeats only unit axes -> ``Expand``;
-* :mod:`.spelling_split_rows`: Reshapes that split token rows around a combine's ``Mul`` and
+* :mod:`.cast`: ``Cast`` chains that keep precision -> one ``Cast`` or none;
+* :mod:`.tile`: ``Tile`` that repeats only unit axes -> ``Expand``;
+* :mod:`.split_rows`: Reshapes that split token rows around a combine's ``Mul`` and
   ``ReduceSum`` moved below them; a ``Tile`` of rows regrouped by copy -> ``Expand``;
-* :mod:`.spelling_einsum`: two-operand ``Einsum`` -> ``MatMul``/``Transpose``/``Unsqueeze``/
+* :mod:`.einsum`: two-operand ``Einsum`` -> ``MatMul``/``Transpose``/``Unsqueeze``/
   ``Squeeze`` (``Mul``/``ReduceSum`` when nothing is contracted).
 
 The rules are applied to a fixpoint (one rewrite may enable another, e.g. a ``Gemm`` with

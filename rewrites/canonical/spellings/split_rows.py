@@ -8,7 +8,7 @@ dense gpt-oss, for one, computes every expert on flat rows ``Y [E, T, H]`` and t
     out = ReduceSum(Mul(Y4, W4), [0], keepdims=0)          # [B, S, H]
 
 The layer rules read the combine over flat rows (``ReduceSum(Mul(Y, Unsqueeze(W, [2])), [0])``,
-:mod:`.dense_combine`). Reshape only renumbers elements in row-major order, so the split can
+:mod:`~onnx_moe_fuse.rewrites.canonical.experts.dense.combine`). Reshape only renumbers elements in row-major order, so the split can
 move below the arithmetic; the rules here do that, each exact (the same products of the same
 elements, summed over the same axis in the same order):
 

@@ -9,19 +9,19 @@ constants) feeding the Gather/GroupedMatMul directly. :class:`FoldWeightLayoutPa
 1. folds a layout op whose inputs are all constants (initializers that are not graph inputs, or
    Constant nodes) into a new initializer, whatever its size;
 2. pushes a layout op on the output of a ``DequantizeLinear`` of constants onto the quantized
-   data, scale and zero point, and folds it there (:mod:`.weight_dq_push`), so quantized weights
+   data, scale and zero point, and folds it there (:mod:`.dq_push`), so quantized weights
    stay quantized (a Concat of per-expert DQs whose scales differ across the concat axis becomes
    one per-axis or blocked DQ in which every element keeps its scale);
 3. leaves every other node alone, and also a ``Split`` that cuts a stack into its single
    entries along axis 0 (the grouped_mm spelling reads the stack through it; see
-   :func:`.weight_layout_ops.unstacks`).
+   :func:`.layout_ops.unstacks`).
 
 Why not onnxscript's ``fold_constants`` with raised size limits (checked with onnxscript 0.7.2):
 it does not fold multi-output ops (``Split``), its partial evaluators rewrite nodes that are not
 layout ops whatever ``should_fold`` says (``Shape`` becomes a Constant, ``Cast`` to the same type
 an ``Identity``), it serialises every input tensor to evaluate a node, and it ends with
 ``NameFixPass`` over the whole model. Layout ops move elements without arithmetic, so a few
-lines of numpy each (:mod:`.weight_layout_ops`) fold them bit-exactly.
+lines of numpy each (:mod:`.layout_ops`) fold them bit-exactly.
 
 Names: a folded or pushed value takes the name of the layout op output it replaces; new
 initializers and nodes get fresh names. Original tensors are never mutated (the working copy

@@ -10,7 +10,7 @@ Spellings (each a small pattern rooted where the weights are made)::
 
 :func:`recognise_routing` returns a :class:`~.facts.RoutingFact`; what the scores are (a
 Softmax of the router logits, over which axis, with which k) is proved by
-``_moe_analysis.routing_form``. :func:`routing_pattern` is the same piece for a rule's pattern:
+``moe.analysis.routing_form``. :func:`routing_pattern` is the same piece for a rule's pattern:
 the layer rules anchor at the combine and the TopK whose values it weights by.
 """
 

@@ -1,6 +1,6 @@
 """Read the combine of a dense MoE layer: the sum over all E experts of mask * output.
 
-Used by :mod:`.dense_experts`, after :mod:`.dense_mask` has read the mask. The layer output is
+Used by :mod:`.dense_experts`, after :mod:`.mask` has read the mask. The layer output is
 ``sum_e dense[:, e] * y_e``, spelled as an ``Add`` tree (chain or balanced) of
 ``Mul(y_e, column_e)`` over separate expert outputs, or, over stacked outputs ``Y [E, T, H]``,
 ``ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)``,
@@ -123,7 +123,7 @@ def _combine_dense(mask: DenseWeights) -> Combine:
     nodes: list[ir.Node] = [user]
     if _perm(user) == [1, 0]:  # ReduceSum(Mul(Y, Unsqueeze(Transpose(dense), -1)), 0)
         unsq = only_consumer(user.outputs[0], "the transposed dense weights")
-        if is_op(unsq, "Reshape"):  # the [B, S] split that spelling_split_rows did not undo
+        if is_op(unsq, "Reshape"):  # the [B, S] split that the split-rows spelling did not undo
             raise Refusal(
                 f"{label(unsq)}: the dense weights are split into token rows that are not "
                 "proved to be the expert outputs' rows split the same way",
@@ -185,7 +185,7 @@ def split_rows_outputs(mask: DenseWeights) -> ir.Value | None:
     """The stacked expert outputs ``Y`` of a combine still split into ``[E, B, S, H]``, or None.
 
     ``Mul(Reshape(Y, [E, B, -1, H]), Unsqueeze(Reshape(Transpose(dense), [E, B, -1]), 3))``
-    where the split was not proved equal (:mod:`.spelling_split_rows`): only for a diagnosis,
+    where the split was not proved equal (:mod:`~onnx_moe_fuse.rewrites.canonical.spellings.split_rows`): only for a diagnosis,
     which reads the experts from ``Y`` to find what else is wrong (a router over other rows).
     """
     users = consumers(mask.dense) if mask.dense is not None else []

@@ -1,6 +1,6 @@
 """Constant and graph readers for :mod:`.dense_experts` and its helpers.
 
-The constant readers are ``_graph_facts``' readers, which take a ``Constant`` attribute as it is
+The constant readers are ``graph.facts``' readers, which take a ``Constant`` attribute as it is
 (onnx-ir's ``get_const_tensor`` would rename the tensor, which the working copy shares with the
 original model), plus :func:`is_const`. The graph readers (:func:`is_op`, :func:`consumers`,
 :func:`only_consumer`, :func:`other_operand`, :func:`axes_are`) are the few questions every part

@@ -14,9 +14,9 @@ rewrites it, on the fusion pipeline's working copy, into the per-slot layer::
 
 which is equal because ``sum_e dense[t, e] y_e = sum_j w[t, j] y_{idx[t, j]}`` (TopK's indices
 of a row are distinct and in ``[0, E)``). Before it rewrites, the check proves (the mask read
-by :mod:`.dense_mask`, the combine by :mod:`.dense_combine`, the experts by :mod:`.dense_ffn`):
+by :mod:`.mask`, the combine by :mod:`.combine`, the experts by :mod:`.ffn`):
 
-* the TopK is over the last axis of ``[T, E]`` router scores (:mod:`.dense_routing`), and the
+* the TopK is over the last axis of ``[T, E]`` router scores (:mod:`.routing`), and the
   router reads the same ``[T, H]`` token rows as the experts;
 * the mask is exactly the one-hot of those indices (Equal per expert with each e in ``0..E-1``
   once, OneHot of depth E with values ``[0, 1]``, Equal of the ids with the range ``0..E-1``,
@@ -32,9 +32,9 @@ by :mod:`.dense_mask`, the combine by :mod:`.dense_combine`, the experts by :mod
 * no intermediate value of the dense block is used outside it.
 
 A proof reads only shapes, dtypes and small constants; the expert weights are read (and
-stacked, :mod:`.dense_stack`) only for a layer that is rewritten, and before any change, so an
+stacked, :mod:`.stack`) only for a layer that is rewritten, and before any change, so an
 unreadable tensor leaves the layer as it was. Constants are read without the naming side effect
-of ``onnx_ir.convenience.get_const_tensor`` (:mod:`.dense_consts`).
+of ``onnx_ir.convenience.get_const_tensor`` (:mod:`.consts`).
 
 The values at the layer's boundary keep their names (the tokens, router logits, TopK outputs, the
 routing weights, and the layer output, which the new ReduceSum takes over), so the pipeline's splice

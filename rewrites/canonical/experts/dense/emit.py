@@ -1,7 +1,7 @@
 """Write the per-slot layer for a proved dense layer (:mod:`.dense_experts`) and remove the old.
 
 Two steps, so that a failure cannot leave a half-rewritten graph: :meth:`Emitter.load` reads and
-stacks the weights (:mod:`.dense_stack`, numpy only) and may fail; :meth:`Emitter.rewrite` then
+stacks the weights (:mod:`.stack`, numpy only) and may fail; :meth:`Emitter.rewrite` then
 only writes. The new nodes go right before the dense combine (everything they read is computed
 before it); the new ReduceSum takes over the layer output's name and uses; new values and
 initializers get fresh names (``<combine>_canonical/...``). The old nodes are removed, then

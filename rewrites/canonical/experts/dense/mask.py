@@ -1,6 +1,6 @@
 """Read the mask of a dense MoE layer, proving what it computes.
 
-Used by :mod:`.dense_experts`, after :mod:`.dense_routing` has read the TopK (values ``v``,
+Used by :mod:`.dense_experts`, after :mod:`.routing` has read the TopK (values ``v``,
 indices ``idx``, both ``[T, k]``, over a router of width E). A dense layer builds the dense
 routing weights ``dense[t, e] = sum_j (idx[t, j] == e) * w[t, j]`` with ``w`` computed from
 ``v``, in one of these forms:
@@ -17,7 +17,7 @@ routing weights ``dense[t, e] = sum_j (idx[t, j] == e) * w[t, j]`` with ``w`` co
 Every structural constant (axes, depth, OneHot values, the range, Cast type) is checked; a failed
 proof raises :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` tagged part ``combine`` (the
 mask is the combine's weights) with the node at fault. The combine that consumes the mask is read by
-:mod:`.dense_combine`.
+:mod:`.combine`.
 """
 
 from __future__ import annotations

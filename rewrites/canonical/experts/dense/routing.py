@@ -1,6 +1,6 @@
 """Read the routing of a dense MoE layer: the TopK, the router it reads, the weights.
 
-Used by :mod:`.dense_experts` and :mod:`.dense_mask`. A dense layer is routed by one ``TopK``
+Used by :mod:`.dense_experts` and :mod:`.mask`. A dense layer is routed by one ``TopK``
 (values ``v``, indices ``idx``, both ``[T, k]``) over the last axis of ``[T, E]`` router
 scores; the mask weights the experts by values ``w [T, k]`` computed from ``v``.
 

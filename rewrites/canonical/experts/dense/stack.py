@@ -1,6 +1,6 @@
 """Stack per-expert weights into ``[E, K, N]`` arrays (numpy only: the graph is not touched).
 
-Used by :mod:`.dense_emit`, which reads every array first and only then changes the graph, so
+Used by :mod:`.emit`, which reads every array first and only then changes the graph, so
 a tensor that cannot be read (external data gone) leaves the model as it was. Only the tensors
 being stacked are read; the original tensor objects are never modified (the working copy
 shares them with the original model).
@@ -10,7 +10,7 @@ shares them with the original model).
   quantisation axis one up: per tensor -> per expert (``axis=0``, scales ``[E]``); per axis
   ``a`` -> blocked along the other axis with one block spanning it; blocked along ``a`` ->
   blocked along ``a + 1`` with the same block size;
-* ``MatMulNBits``: unpacked into DQ's K-major codes, scales and zero points (:mod:`.dense_nbits`),
+* ``MatMulNBits``: unpacked into DQ's K-major codes, scales and zero points (:mod:`.nbits`),
   then stacked, blocked along K (``axis=1``);
 * weights already stacked ``[E, K, N]`` are used as they are.
 """

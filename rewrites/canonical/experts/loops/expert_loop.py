@@ -3,7 +3,7 @@
 optimum-onnx does not export transformers' MoE forwards: its ``model_patcher.py`` swaps in ones
 that loop over every expert, ``NonZero`` of the expert's slice of a one-hot mask, the expert's
 MLP on the gathered rows, times the gathered routing weight, ``index_add_`` into the output
-(:mod:`.loop_proof` spells out both the TorchScript and the dynamo export). No layer rule takes
+(:mod:`.proof` spells out both the TorchScript and the dynamo export). No layer rule takes
 that form. This pass proves the loop equals the MoE of its TopK and rewrites it, on the working
 copy, into the per-slot form the layer rules (``rewrites/moe/layer_rules.py``) fuse, the one
 :mod:`.sorted_experts` writes::

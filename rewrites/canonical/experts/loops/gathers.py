@@ -1,6 +1,6 @@
 """The two gathers of one expert in an expert loop: its token rows and its routing weights.
 
-With ``s_e`` / ``t_e`` the slot and token ids of expert ``e`` (:func:`.loop_values.read_coords`),
+With ``s_e`` / ``t_e`` the slot and token ids of expert ``e`` (:func:`.values.read_coords`),
 a loop iteration reads
 
 * the rows ``x[t_e]`` ``[n, H]``: ``Reshape(Gather(Unsqueeze(x, 0), t_e, axis=1), [-1, H])``

@@ -9,7 +9,7 @@ constant weight, every FC1 a ``MatMul`` of exactly ``r_e`` by a constant weight,
 optionally plus a constant bias row ``[N]`` (a ``Linear`` with bias, hand-written MoE code's
 default; the bias an initializer or one entry of a stacked ``[E', N]`` one), and the
 activation between them treats each row on its own (the element-wise ops of
-:mod:`.sorted_rowwise` with constant operands shared by every row, and ``Split`` / ``Slice``
+:mod:`~onnx_moe_fuse.rewrites.canonical.experts.rowwise` with constant operands shared by every row, and ``Split`` / ``Slice``
 along the feature axis), which is what lets it run unchanged on the per-slot ``[T, k, N]``
 values. A weight is an initializer ``[K, N]``, ``Transpose(W, [1, 0])`` of one ``[N, K]``
 (a ``Gemm(transB=1)`` / ``Linear`` after NormalizeSpellings), or ``Gather(W, j)`` of a stacked

@@ -6,25 +6,25 @@ unrolled): the slot and token ids ``s_e, t_e`` of the tokens routed to ``e`` com
 rows ``x[t_e]``, its outputs are weighted by ``w[t_e, s_e]`` and scatter-added into a ``[T, H]``
 accumulator at rows ``t_e``. Since each (token t, slot s) pair is routed to exactly one expert
 (``ids[t, s]``), the sum over the experts is ``out[t] = sum_s w[t, s] * f_{ids[t, s]}(x[t])``,
-the per-slot layer :mod:`.loop_experts` writes.
+the per-slot layer :mod:`.expert_loop` writes.
 
 :func:`analyse_loop` proves it structurally, raising a
 :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` with the reason otherwise:
 
 * the mask is the one-hot of THIS TopK's ids with depth the router's expert count E, as
-  ``[E, k, T]`` (:func:`.loop_values.read_mask`), read only by one slice per expert, every
+  ``[E, k, T]`` (:func:`.values.read_mask`), read only by one slice per expert, every
   ``e`` in ``0..E-1`` exactly once;
 * each slice's NonZero coordinates give ``s_e`` (column 0, the slot) and ``t_e`` (column 1, the
-  token) pair by pair (:func:`.loop_values.read_coords`);
+  token) pair by pair (:func:`.values.read_coords`);
 * the expert reads the rows ``x[t_e]`` of one ``[T, H]`` tokens value shared by all experts,
-  with ``T`` the TopK's rows (:func:`.loop_gathers.read_rows`), and is weighted by
+  with ``T`` the TopK's rows (:func:`.gathers.read_rows`), and is weighted by
   ``w[t_e, s_e]`` of one ``[T, k]`` value computed from this TopK's values
-  (:func:`.loop_gathers.read_weight`);
+  (:func:`.gathers.read_weight`);
 * every expert's MLP has the same structure (op types, attributes, activation constants,
   weight shapes), only the weights differ, and no two experts share a weight
-  (:mod:`.loop_mlp`); the experts' rows, weights and scatters use one spelling;
+  (:mod:`.mlp`); the experts' rows, weights and scatters use one spelling;
 * the scatter-adds form one chain over all experts from zeros shaped like the tokens, every
-  Expand / Reshape on the way keeps the shape (:mod:`.loop_steps`);
+  Expand / Reshape on the way keeps the shape (:mod:`.steps`);
 * nothing computed from the mask escapes the loop except the last accumulator (a value read
   only by ``Shape`` nodes is not an escape: the data is not read).
 

@@ -4,9 +4,9 @@
 ``Unsqueeze(Expand(Unsqueeze(x, [1]), [1, k, 1]), [2])`` for ``"tkh,tkhi->tki"``) and before the
 dense and sorted layer forms. It rewrites chains of ``Unsqueeze`` over ``Expand``/``Unsqueeze``
 into the one ``Expand?(Unsqueeze(tokens, slot and row axes), shape)`` the per-slot rules match
-(:mod:`.slots_unsqueeze`, exact), after rewriting hand-decomposed repeated token rows
+(:mod:`.unsqueeze`, exact), after rewriting hand-decomposed repeated token rows
 (``Reshape(Expand(Unsqueeze(x)), [-1, 1, H])`` rows, ``Gather(W, Reshape(ids, [-1]))``) into
-per-slot projections (:mod:`.slots_rows`, exact). The main graph only: the layer rules do not
+per-slot projections (:mod:`.rows`, exact). The main graph only: the layer rules do not
 look into subgraphs.
 """
 

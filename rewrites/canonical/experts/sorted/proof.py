@@ -22,7 +22,7 @@ transformers' ``grouped_mm`` experts, exported, compute for ``N = T*k`` routed r
   so that is exhaustive), then summed (float counts are exact below 2**24 rows) and cumulated;
 * segment ``e`` is ``Range(ends[e-1], ends[e], 1)``, the ``e``-th Concat input uses it with the
   ``e``-th slice of one stacked constant, for FC1 and FC2 alike, with the same segments;
-* the activation treats each row on its own (:mod:`.sorted_rowwise`), so it commutes with the
+* the activation treats each row on its own (:mod:`~onnx_moe_fuse.rewrites.canonical.experts.rowwise`), so it commutes with the
   permutation;
 * the tokens are float32 (the dtype the layer rules fuse; other blocks are refused, naming it);
 * the un-sort uses the inverse of the same ``perm``: a ``ScatterND(_, perm, arange)`` inverse, or

@@ -3,7 +3,7 @@
 transformers' default experts implementation, ``grouped_mm``, exports as an argsort of the
 routed expert ids, the token rows gathered in that order, one ``MatMul`` per expert over its
 contiguous segment (offsets from a histogram and a ``CumSum``), a ``Concat``, and an un-sort
-(:mod:`.sorted_proof` spells it out). The layer rules (``rewrites/moe/layer_rules.py``) do not take
+(:mod:`.proof` spells it out). The layer rules (``rewrites/moe/layer_rules.py``) do not take
 that form. This pass proves the block computes, for token ``t`` and slot ``j``,
 ``x[t] @ W[ids[t, j]]`` for both projections, and rewrites it on the working copy into the
 per-slot form they do take::

@@ -13,9 +13,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from helpers import parse, random_feeds, session
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_spellings_common import parse, random_feeds, session
 
 import onnx_moe_fuse.pipeline.canonicalise as canonicalise_module
 from onnx_moe_fuse import fuse

@@ -1,6 +1,6 @@
 """The spelling pass as a whole, and the helpers the per-family spelling tests share.
 
-Helpers: build a model from ONNX text, run :class:`NormalizeSpellingsPass` on a clone of its IR,
+Helpers: build a model from ONNX text (``helpers.parse``), run :class:`NormalizeSpellingsPass` on a clone of its IR,
 count ops, and compare the model before and after in ONNX Runtime CPU (graph optimisations off)
 on fresh random inputs. Tests here: the fixpoint (a rewrite that enables another), names (kept
 for every value that stays, fresh for new ones), the shared tensors of a clone left alone, and
@@ -14,26 +14,10 @@ import collections
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
-from onnx import parser
+from helpers import parse, random_feeds, session
 
 from onnx_moe_fuse.pipeline.splice import ORIGIN_KEY, tag_origin
 from onnx_moe_fuse.rewrites.canonical.spellings.normalize_spellings import NormalizeSpellingsPass
-
-_ORT_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(double)": np.float64,
-    "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-}
-
-
-def parse(text: str) -> onnx.ModelProto:
-    """A checked model from ONNX text."""
-    model = parser.parse_model(text)
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 def normalise(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
@@ -46,26 +30,6 @@ def normalise(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
 def ops(model: onnx.ModelProto) -> collections.Counter:
     """The op histogram of the main graph."""
     return collections.Counter(node.op_type for node in model.graph.node)
-
-
-def session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """An ORT CPU session with every graph optimisation off."""
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-def random_feeds(sess: ort.InferenceSession, rng: np.random.Generator, dims: dict | None = None):
-    """Random inputs for a session (symbolic dims from ``dims``, else 3); never all zeros."""
-    feeds = {}
-    for arg in sess.get_inputs():
-        shape = [d if isinstance(d, int) else (dims or {}).get(d, 3) for d in arg.shape]
-        np_type = _ORT_TYPES[arg.type]
-        if np.issubdtype(np_type, np.integer):
-            feeds[arg.name] = rng.integers(-50, 50, size=shape).astype(np_type)
-        else:
-            feeds[arg.name] = rng.standard_normal(shape).astype(np_type)
-    return feeds
 
 
 def assert_same(

@@ -1,4 +1,4 @@
-"""Row-split spellings (``spelling_split_rows.py``): Reshapes of token rows moved out of a combine.
+"""Row-split spellings (``canonical/spellings/split_rows.py``): Reshapes of token rows moved out of a combine.
 
 The positive cases are written the way optimum-onnx's dense gpt-oss writes its combine: the
 targets computed from ``Shape(hidden)`` (``[E, B, -1, H]``), so the rules must prove the two
