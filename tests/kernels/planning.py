@@ -113,27 +113,27 @@ def time_variants(
     return chosen, times
 
 
-def assert_near_fastest(
+def measure_choice(
     kernel: Any,
     call: Mapping[str, np.ndarray],
     attrs: Mapping[str, Any],
     what: str,
     tunables: Mapping[str, Any] | None = None,
     tolerance: float = SPEED_TOLERANCE,
-) -> dict[str, float]:
-    """Assert the planner's choice is within ``tolerance`` of the fastest runnable variant.
+) -> tuple[str, dict[str, float], str | None]:
+    """(choice, median seconds per runnable variant, why it is too slow or None).
 
     Every runnable variant is timed once; where the choice looks slower than allowed, the
     choice and the fastest are timed again, alternately, three times each with more runs,
     and the medians of those decide (one slow measurement, e.g. a clock change, is not a
-    planner error). Returns the first round's medians (seconds), for the report.
+    planner error; the returned times are then those medians).
     """
     chosen, times = time_variants(kernel, call, attrs, tunables)
     best = min(times, key=times.get)
     report = ", ".join(f"{v} {t * 1e3:.3f}" for v, t in sorted(times.items(), key=lambda x: x[1]))
     print(f"{what}: chose {chosen}; ms: {report}")
     if times[chosen] <= (1 + tolerance) * times[best]:
-        return times
+        return chosen, times, None
     plans = {
         v: kernel.plan(attrs=attrs, tunables=tunables, variant=v, **call) for v in {chosen, best}
     }
@@ -143,11 +143,34 @@ def assert_near_fastest(
             again[vid].append(median_seconds(kernel, plan, runs=21, warmup_seconds=0.3))
     settled = {v: statistics.median(ts) for v, ts in again.items()}
     print(f"{what}: re-timed ms: " + ", ".join(f"{v} {t * 1e3:.3f}" for v, t in settled.items()))
-    assert settled[chosen] <= (1 + tolerance) * settled[best], (
-        f"{what}: the planner chose {chosen} ({settled[chosen] * 1e3:.3f} ms), more than "
-        f"{tolerance:.0%} slower than {best} ({settled[best] * 1e3:.3f} ms); first round: {report}"
+    times = {**times, **settled}
+    if settled[chosen] <= (1 + tolerance) * settled[best]:
+        return chosen, times, None
+    return (
+        chosen,
+        times,
+        (
+            f"{what}: the planner chose {chosen} ({settled[chosen] * 1e3:.3f} ms), more than "
+            f"{tolerance:.0%} slower than {best} ({settled[best] * 1e3:.3f} ms); first round: {report}"
+        ),
     )
-    return times
+
+
+def assert_near_fastest(
+    kernel: Any,
+    call: Mapping[str, np.ndarray],
+    attrs: Mapping[str, Any],
+    what: str,
+    tunables: Mapping[str, Any] | None = None,
+    tolerance: float = SPEED_TOLERANCE,
+) -> tuple[str, dict[str, float]]:
+    """Assert the planner's choice is within ``tolerance`` of the fastest runnable variant.
+
+    See :func:`measure_choice`; returns the choice and the medians (seconds).
+    """
+    chosen, times, slow = measure_choice(kernel, call, attrs, what, tunables, tolerance)
+    assert slow is None, slow
+    return chosen, times
 
 
 # -- bench.json inputs -------------------------------------------------------------------------
