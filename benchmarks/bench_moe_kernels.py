@@ -267,8 +267,11 @@ def main() -> None:
                 t = times[vid] = median(ts)
                 err = rel_err(out, reference) if reference is not None else float("nan")
                 decode = case_label(case.name, call)[1] <= 16 and ("decode" in vid or "gemv" in vid)
-                if vid == chosen or decode:
-                    stages = kernel.stage_times(plan, runs=5, warmup_seconds=0.2)
+                # Per-dispatch times: the planner's choice, and the decode variants, as
+                # many runs as fit the budget (none where one run alone overran it).
+                stage_runs = min(5, int(args.budget / max(t, 1e-6)))
+                if (vid == chosen or decode) and stage_runs >= 1:
+                    stages = kernel.stage_times(plan, runs=stage_runs, warmup_seconds=0.2)
                     if stages:
                         method += "; stages us: " + ", ".join(
                             f"{lab} {sec * 1e6:.1f}" for lab, sec in stages
