@@ -18,7 +18,15 @@ both. Usage::
 
     .venv/bin/python benchmarks/bench_moe_kernels.py [--ops qmoe moe] [--cases GLOB ...]
         [--runs 10] [--budget 20] [--all] [--ort-threads N] [--ort-webgpu DIR]
-        [--ort-webgpu-results JSON] [--json OUT]
+        [--ort-webgpu-results JSON] [--json OUT] [--plot PNG] [--table TXT] [--chosen-only]
+
+Last it prints the comparison table (``moe_report.py``): per layer and token count our
+kernel (the planner's choice, and the fastest variant where others were timed) against
+ORT WebGPU and ORT CPU and against the call's copy-bandwidth and FMA floors, then where the
+planner's choice spends its time (timestamps before every dispatch, summed by pass, where the
+adapter has ``timestamp-query-inside-passes``). ``--plot`` draws time against tokens per
+layer (matplotlib), ``--table`` writes the comparison tables as text, ``--chosen-only`` times
+the planner's choice alone (a shorter run). On the GPU machine: ``scripts/gpu_run.sh``.
 
 ``--budget`` caps the seconds spent timing one (case, variant): slow adapters (lavapipe)
 get fewer runs. Cases where no variant fits this adapter are skipped unless ``--all``.
@@ -51,6 +59,7 @@ from common import (  # noqa: E402
     rel_err,
     wall_times,
 )
+from moe_report import print_report, write_plot  # noqa: E402
 from ort_references import OPS, WEIGHTS, OrtCpu, OrtWebGpu  # noqa: E402
 
 from onnx_moe_fuse.kernels.cases import load_cases  # noqa: E402
@@ -184,6 +193,9 @@ def main() -> None:
         "--skip", nargs="*", default=(), help="CASE:VARIANT globs not to time (listed as skipped)"
     )
     parser.add_argument("--ort-runs", type=int, default=10, help="ORT CPU runs per case")
+    parser.add_argument("--plot", default=None, help="write time against tokens here (PNG)")
+    parser.add_argument("--table", default=None, help="write the comparison tables here (text)")
+    parser.add_argument("--chosen-only", action="store_true", help="time the planner's choice only")
     args = parser.parse_args()
     tunables = json.loads(args.tunables) if args.tunables else {}
 
@@ -206,6 +218,10 @@ def main() -> None:
     inputs = Inputs(np.random.default_rng(0))
     rows, summary, record = _Rows(), [], {"ortWebGpu": {}, "cases": []}
     record["ceilings"] = {"copyBytesPerSecond": bandwidth, "fmaFlopPerSecond": flop_rate}
+    record["adapter"] = device.description
+    record["date"] = time.strftime("%Y-%m-%d")
+    record["ortCpuVersion"] = None if cpu is None else cpu.version
+    record["ortCpuThreads"] = args.ort_threads or f"default, {os.cpu_count()} cores"
     for op in args.ops:
         kernel = get_kernel(OPS[op])
         folder = next(f for f in package_folders() if f.name == op)
@@ -241,6 +257,8 @@ def main() -> None:
                     if not vid.endswith("zero_inter"):
                         rows.append([op, case.name, vid, "-", "-", "-", "-", rejected[vid][:100]])
                     continue
+                if args.chosen_only and vid != chosen:
+                    continue
                 if any(fnmatch.fnmatch(f"{case.name}:{vid}", g) for g in args.skip):
                     rows.append([op, case.name, vid, "-", "-", "-", "-", "skipped (--skip)"])
                     continue
@@ -248,8 +266,12 @@ def main() -> None:
                 ts, method, out = time_variant(kernel, plan, args.runs, args.budget)
                 t = times[vid] = median(ts)
                 err = rel_err(out, reference) if reference is not None else float("nan")
-                if case_label(case.name, call)[1] <= 16 and ("decode" in vid or "gemv" in vid):
-                    stages = kernel.stage_times(plan, runs=5, warmup_seconds=0.2)
+                decode = case_label(case.name, call)[1] <= 16 and ("decode" in vid or "gemv" in vid)
+                # Per-dispatch times: the planner's choice, and the decode variants, as
+                # many runs as fit the budget (none where one run alone overran it).
+                stage_runs = min(5, int(args.budget / max(t, 1e-6)))
+                if (vid == chosen or decode) and stage_runs >= 1:
+                    stages = kernel.stage_times(plan, runs=stage_runs, warmup_seconds=0.2)
                     if stages:
                         method += "; stages us: " + ", ".join(
                             f"{lab} {sec * 1e6:.1f}" for lab, sec in stages
@@ -310,6 +332,18 @@ def main() -> None:
         ],
         summary,
     )
+    print()
+    print_report(record)
+    if args.table:
+        import contextlib
+        import io
+
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            print_report(record)
+        Path(args.table).write_text(text.getvalue())
+    if args.plot:
+        write_plot(record, args.plot)
 
 
 def _webgpu(webgpu, earlier, op, name, layer, call, attrs, reference) -> dict:

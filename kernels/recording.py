@@ -54,8 +54,11 @@ class Recorder:
 
         tensors: dict[str, Any] = {}
         for key, array in plan.tensors.items():
-            raw = array.tobytes()
-            data = raw + bytes(padded(len(raw)) - len(raw))
+            if array.nbytes and array.nbytes % ALIGN == 0:
+                data = array.reshape(-1).view(np.uint8)  # no copies of gigabyte weights
+            else:
+                raw = array.tobytes()
+                data = raw + bytes(padded(len(raw)) - len(raw))
             tensors[key] = d.create_buffer_with_data(
                 label=f"{label}.{key}", data=data, usage=usage_io
             )

@@ -32,6 +32,7 @@ from helpers import (
     run_all_variants,
 )
 from ort_compat import run_kernel_node
+from planning import assert_valid_choice, runnable
 
 from onnx_moe_fuse.kernels.cases import load_cases
 from onnx_moe_fuse.kernels.planner import KernelCallError
@@ -272,19 +273,18 @@ def test_the_modes_ort_lacks_match_their_interleaved_form(device, rng):
         checked(kernel_out, ort_reference(call, attrs), f"{config} vs ORT (interleaved form)")
 
 
-def test_decode_prefers_fused_and_prefill_grouped(device, rng):
-    """Decode: the fused path with subgroups, else gemv on a GPU and stage on a CPU adapter."""
+def test_decode_and_prefill_choices_can_run_their_calls(device, rng):
+    """Decode and prefill plans: valid choices; the rules that rule variants out hold."""
     kernel = get_kernel("com.microsoft.MoE")
     call, attrs = random_call(rng, CONFIGS[10], 1, 2)
     plan = kernel.plan(attrs=attrs, tunables=SMALL_TUNABLES, **call)
-    assert plan.variant_id == (FUSED if "subgroups" in device.features else "moe_gemv")
-    plan = kernel.plan(attrs=attrs, tunables=SMALL_TUNABLES, variant="moe_gemv", **call)
-    slowest_first = sorted(plan.priorities, key=plan.priorities.get)
-    cpu = device.adapter_info.get("adapterType") == "CPU"
-    assert slowest_first.index("moe_stage") > slowest_first.index("moe_gemv") or not cpu
+    assert_valid_choice(plan)
+    assert (FUSED in plan.priorities) == ("subgroups" in device.features), plan.explain()
+    assert {"moe_gemv", "moe_stage"} <= set(plan.priorities), plan.explain()
     call, attrs = random_call(rng, CONFIGS[10], 64, 2)
     plan = kernel.plan(attrs=attrs, tunables={**SMALL_TUNABLES, "decodeBlockTarget": 16}, **call)
-    assert plan.variant_id == "moe_grouped"
+    assert_valid_choice(plan)
+    assert "moe_grouped" in plan.priorities
     assert "decodeOccupancyOk" in plan.rejected["moe_gemv"]
     assert "decodeFusedTokensOk" in plan.rejected[FUSED]
 
@@ -297,10 +297,13 @@ def test_zero_inter_is_chosen_only_without_fc2_bias(device, rng):
         "fc1T": np.zeros((4, 0, 8), np.float32),
         "fc2T": np.zeros((4, 8, 0), np.float32),
     }
-    assert kernel.plan(attrs={"k": 2}, **call).variant_id == "moe_zero_inter"
+    plan = kernel.plan(attrs={"k": 2}, **call)
+    assert assert_valid_choice(plan) == "moe_zero_inter"
+    assert runnable(kernel, plan) == ["moe_zero_inter"]  # the only one that can run it
     call["fc2BiasT"] = rng.standard_normal((4, 8)).astype(np.float32)
     plan = kernel.plan(attrs={"k": 2}, **call)
-    assert plan.variant_id == "moe_stage"
+    assert assert_valid_choice(plan) == "moe_stage"
+    assert runnable(kernel, plan) == ["moe_stage"]
     assert "not present.fc2_experts_bias" in plan.rejected["moe_zero_inter"]
     with pytest.raises(KernelCallError, match="interSize > 0"):
         kernel(attrs={"k": 2}, variant="moe_gemv", **call)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The kernel tests and the MoE benchmark on the GPU machine, results under $OUT.
+#
+#   bash scripts/gpu_run.sh bash scripts/gpu_measure.sh tests|bench|all
+#
+# Run it through scripts/gpu_run.sh (Vulkan, carried wheels, onnxruntime 1.32). One device
+# command may run 10 minutes: `tests` and `bench` fit one call each (`all` is both, for a
+# machine with more time). Writes (at most 8 files come back from $OUT):
+#   tests:  $OUT/tests.log (pytest -ra of tests/kernels), $OUT/tests.xml (junit),
+#           $OUT/speed.jsonl (the planner-vs-fastest timings, tests/kernels/test_planner_choices.py)
+#   bench:  $OUT/bench.log, $OUT/bench.json (every measurement), $OUT/table.txt (the
+#           comparison tables), $OUT/moe_kernels.png (time against tokens)
+# Both log the GPU clocks (nvidia-smi) before and after. Budgets: GPU_TESTS_S (default 480)
+# and GPU_BENCH_S (540) seconds; BENCH_ARGS adds benchmark options (default: the full-size
+# Qwen3-30B-A3B and gpt-oss-20b layers, every variant, ORT WebGPU where carried).
+set -uo pipefail
+mode="${1:-all}"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+clocks() {
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu \
+    --format=csv,noheader 2>/dev/null || true
+}
+
+status=0
+if [ "$mode" = tests ] || [ "$mode" = all ]; then
+  echo "clocks before tests: $(clocks)" | tee "$OUT/tests.log"
+  rm -f "$OUT/speed.jsonl"
+  ONNX_MOE_FUSE_SPEED_LOG="$OUT/speed.jsonl" timeout "${GPU_TESTS_S:-480}" \
+    python3 -m pytest -ra -q -p no:cacheprovider --junitxml="$OUT/tests.xml" tests/kernels \
+    2>&1 | tee -a "$OUT/tests.log"
+  status=${PIPESTATUS[0]}
+  echo "pytest exit status $status; clocks after: $(clocks)" | tee -a "$OUT/tests.log"
+fi
+
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
+  webgpu=()
+  if [ -n "${ORT_WEBGPU_DIR:-}" ]; then webgpu=(--ort-webgpu "$ORT_WEBGPU_DIR"); fi
+  if [ -n "${BENCH_ARGS:-}" ]; then
+    read -r -a extra <<<"$BENCH_ARGS"  # split on blanks, no pathname expansion
+  else
+    extra=(--cases '*_a3b' '*_20b')
+  fi
+  echo "clocks before the benchmark: $(clocks)" | tee "$OUT/bench.log"
+  timeout "${GPU_BENCH_S:-540}" python3 benchmarks/bench_moe_kernels.py "${webgpu[@]}" \
+    "${extra[@]}" --json "$OUT/bench.json" --table "$OUT/table.txt" \
+    --plot "$OUT/moe_kernels.png" 2>&1 | tee -a "$OUT/bench.log"
+  bench=${PIPESTATUS[0]}
+  echo "benchmark exit status $bench; clocks after: $(clocks)" | tee -a "$OUT/bench.log"
+  if [ "$bench" != 0 ] && [ -f "$OUT/bench.json" ]; then
+    # Cut short: the tables and the plot of what was measured (the record is saved per case).
+    python3 benchmarks/moe_report.py "$OUT/bench.json" --plot "$OUT/moe_kernels.png" \
+      | tee "$OUT/table.txt"
+  fi
+  [ "$status" = 0 ] && status=$bench
+fi
+exit "$status"
