@@ -23,7 +23,7 @@ from cli_cases import (
     save_sample,
 )
 
-from onnx_moe_fuse import api, streaming_io
+from onnx_moe_fuse import api, kernels, streaming_io
 from onnx_moe_fuse.cli import EXIT_INTERNAL, EXIT_NO_ADAPTER, EXIT_USAGE, parse_seeds
 from onnx_moe_fuse.contract import targets as ort_contract
 from onnx_moe_fuse.errors import OptionError
@@ -86,6 +86,8 @@ def test_no_adapter_exits_3_after_the_input_checks(tmp_path, monkeypatch):
     def no_adapter():
         raise device_module.NoAdapterError("no adapter here")
 
+    # the CLI reads the kernels' public face; the device module too, for a caller of it directly
+    monkeypatch.setattr(kernels, "default_device", no_adapter)
     monkeypatch.setattr(device_module, "default_device", no_adapter)
     src = save_sample(tmp_path, SMALL)
     assert_refused(
