@@ -25,6 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import numpy as np
 import onnx_ir as ir
@@ -39,10 +40,20 @@ __all__ = ["ScratchFileSink", "WeightSink", "in_memory"]
 ALIGNMENT = 64
 
 
-def _reason(exc: OSError) -> str:
-    """Why a write failed, in words (numpy's short write carries no errno)."""
+def _reason(exc: OSError, file: BinaryIO) -> str:
+    """Why a write to ``file`` failed, in words.
+
+    numpy's ``tofile`` reports a short write without the errno: writing one more byte asks the
+    file system again, and its refusal says why (no space left, file too large).
+    """
     if exc.strerror:
         return exc.strerror
+    try:
+        file.write(b"\0")
+        file.flush()
+    except OSError as again:
+        if again.strerror:
+            return again.strerror
     return f"short write, the disk is full or a file size limit is reached ({one_line(exc)})"
 
 
@@ -74,7 +85,7 @@ class ScratchFileSink:
             self._file.flush()  # the tensor may be read back (mapped) before the sink is closed
         except OSError as exc:  # a full disk, a file size limit: the user's, not ours
             raise OutputWriteError(
-                f"cannot write the scratch weight file {str(self.path)!r}: {_reason(exc)} "
+                f"cannot write the scratch weight file {str(self.path)!r}: {_reason(exc, self._file)} "
                 f"(tensor {name!r} needed {size_text(array.nbytes)} more, after "
                 f"{size_text(self.bytes_written)} already there); nothing was written",
                 path=self.path,
