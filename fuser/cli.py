@@ -1,21 +1,26 @@
 """The ``onnx-moe-fuse`` command line.
 
-    onnx-moe-fuse IN.onnx -o OUT.onnx [--verify] [--report REPORT.json] [--only QMoE,MoE]
-                  [--target ort-cpu|ort-cuda|ort-webgpu] [--explain] [--seeds 0,1,2] [--debug]
-    onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--explain]
-    onnx-moe-fuse --self-check | --list-adapters
+    onnx-moe-fuse IN.onnx -o OUT.onnx [--verify [--seeds 0,1,2]] [--report REPORT.json]
+                  [--only QMoE,MoE] [--target ort-cpu|ort-cuda|ort-webgpu] [--explain | --quiet]
+                  [--debug]
+    onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--seeds 0,1,2] [--explain]
+    onnx-moe-fuse --self-check [--seed N] | --list-adapters | --version
 
 Exit codes (:data:`EXIT_OK` ...): 0 success (also when nothing fused: the report says so);
 1 verification or self-check failed (no model written); 2 bad input or options: one line on
-stderr naming the file, tensor, attribute or option, and nothing written; 3 no WebGPU adapter
-for a command that needs one; 4 an internal error (a bug of ours: a short message, the
-traceback only with ``--debug``).
+stderr naming the file, tensor, attribute or option, and nothing written (a write the file
+system refuses, a full disk, is one: :func:`onnx_moe_fuse.errors.user_error_in` finds it under
+the pass manager's wrapping); 3 no WebGPU adapter for a command that needs one; 4 an internal
+error (a bug of ours: a short message, the traceback only with ``--debug``); 130 Ctrl-C, 143
+SIGTERM, 129 SIGHUP: the run unwinds as for an error, removing the files it had begun.
 
 Everything that can be checked before work starts is checked first, in this order: the options
-(``--seeds``, ``--only``, ``--target``), the output paths (:func:`onnx_moe_fuse.io.output_paths.
-check_output_paths`: none may be the input, its data or another output; their folders must
-exist and take files), the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates
-it), the WebGPU adapter. Outputs are written last, each atomically.
+(each single-value option given once, :class:`_Once`; no option that this command would ignore,
+:func:`check_combination`; ``--seeds``, ``--only``, ``--target``), the output paths (a
+folder-like ``-o dir/`` is refused; :func:`onnx_moe_fuse.io.output_paths.check_output_paths`:
+none may be the input, its data or another output; their folders must exist and take files),
+the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates it), the WebGPU
+adapter. Outputs are written last, each atomically.
 """
 
 from __future__ import annotations

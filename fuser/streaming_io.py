@@ -262,7 +262,7 @@ def fuse_file(
             found = user_error_in(exc)
             if found is None:
                 raise
-            raise found from exc.__cause__
+            raise found from found.__cause__  # its own cause (the OSError) stays
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
         except OSError as exc:
