@@ -1,41 +1,72 @@
 """The ``onnx-moe-fuse`` command line.
 
-    onnx-moe-fuse IN.onnx -o OUT.onnx [--verify] [--report REPORT.json] [--only QMoE,MoE]
-                  [--target ort-cpu|ort-cuda|ort-webgpu] [--explain] [--seeds 0,1,2] [--debug]
-    onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--explain]
-    onnx-moe-fuse --self-check | --list-adapters
+    onnx-moe-fuse IN.onnx -o OUT.onnx [--verify [--seeds 0,1,2]] [--report REPORT.json]
+                  [--only QMoE,MoE] [--target ort-cpu|ort-cuda|ort-webgpu] [--explain | --quiet]
+                  [--debug]
+    onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--seeds 0,1,2] [--explain]
+    onnx-moe-fuse --self-check [--seed N] | --list-adapters | --version
 
 Exit codes (:data:`EXIT_OK` ...): 0 success (also when nothing fused: the report says so);
 1 verification or self-check failed (no model written); 2 bad input or options: one line on
-stderr naming the file, tensor, attribute or option, and nothing written; 3 no WebGPU adapter
-for a command that needs one; 4 an internal error (a bug of ours: a short message, the
-traceback only with ``--debug``).
+stderr naming the file, tensor, attribute or option, and nothing written (a write the file
+system refuses, a full disk, is one: :func:`onnx_moe_fuse.errors.user_error_in` finds it under
+the pass manager's wrapping); 3 no WebGPU adapter for a command that needs one; 4 an internal
+error (a bug of ours: a short message, the traceback only with ``--debug``); 130 Ctrl-C, 143
+SIGTERM, 129 SIGHUP: the run unwinds as for an error, removing the files it had begun.
 
 Everything that can be checked before work starts is checked first, in this order: the options
-(``--seeds``, ``--only``, ``--target``), the output paths (:func:`onnx_moe_fuse.io.output_paths.
-check_output_paths`: none may be the input, its data or another output; their folders must
-exist and take files), the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates
-it), the WebGPU adapter. Outputs are written last, each atomically.
+(each single-value option given once, :class:`_Once`; no option that this command would ignore,
+:func:`check_combination`; ``--seeds``, ``--only``, ``--target``), the output paths (a
+folder-like ``-o dir/`` is refused; :func:`onnx_moe_fuse.io.output_paths.check_output_paths`:
+none may be the input, its data or another output; their folders must exist and take files),
+the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates it), the WebGPU
+adapter. Outputs are written last, each atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, TARGETS, Target
-from onnx_moe_fuse.errors import MoEFuseError, OptionError
+from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
 from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
 _SEED_LIMIT = 2**63  # numpy's generators take any non-negative integer; keep it to int64
+
+
+class _Once(argparse.Action):
+    """Store an option's value, refusing a second one (``-o a -o b`` would drop ``a``)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        """Set the value, or raise :class:`OptionError` when the option was given already."""
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            raise OptionError(
+                f"{'/'.join(self.option_strings)} is given twice ({getattr(namespace, self.dest)!r} "
+                f"and {values!r}); give it once",
+                option=option_string,
+            )
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         "4 internal error (--debug shows the traceback).",
     )
     parser.add_argument("input", nargs="?", help="the model to fuse (.onnx)")
-    parser.add_argument("-o", "--output", help="where to write the fused model (atomically)")
+    parser.add_argument(
+        "-o", "--output", action=_Once, help="where to write the fused model (atomically)"
+    )
     parser.add_argument(
         "--verify",
         action="store_true",
@@ -64,15 +97,18 @@ def _parser() -> argparse.ArgumentParser:
         "(reference path vs WebGPU kernels and ONNX Runtime); a failure "
         "exits 1 and writes no model",
     )
-    parser.add_argument("--report", help="write a JSON report: fusions, near misses, verification")
+    parser.add_argument(
+        "--report", action=_Once, help="write a JSON report: fusions, near misses, verification"
+    )
     parser.add_argument(
         "--only",
+        action=_Once,
         help="comma-separated ops that may be emitted (MoE, QMoE, MatMulNBitsQkv; default all)",
     )
     parser.add_argument(
         "--target",
+        action=_Once,
         choices=TARGETS,
-        default=DEFAULT_TARGET,
         help="the ONNX Runtime package the fused nodes are written for: only ops it has "
         f"kernels for, with the attributes it accepts (default {DEFAULT_TARGET})",
     )
@@ -81,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list near misses: layers that looked like MoE and why they did not fuse",
     )
-    parser.add_argument("--seeds", default="0,1,2", help="verification seeds (default 0,1,2)")
+    parser.add_argument(
+        "--seeds", action=_Once, help="verification seeds (default 0,1,2; only with --verify)"
+    )
     parser.add_argument(
         "--demo",
         action="store_true",
@@ -98,11 +136,32 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list the WebGPU adapters wgpu finds, best first",
     )
-    parser.add_argument("--seed", type=int, default=None, help="random seed for --self-check")
+    parser.add_argument(
+        "--seed", action=_Once, type=int, help="random seed for --self-check (only with it)"
+    )
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="print nothing but errors and warnings (no summary; not with --explain)",
+    )
     parser.add_argument(
         "--debug", action="store_true", help="print the traceback of an internal error"
     )
+    parser.add_argument("--version", action="version", version=f"onnx-moe-fuse {_version()}")
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's when not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("onnx-moe-fuse")
+    except metadata.PackageNotFoundError:
+        from onnx_moe_fuse import __version__
+
+        return __version__
 
 
 # -- options --------------------------------------------------------------------------------------
@@ -144,6 +203,59 @@ def parse_only(text: str | None) -> set[str] | None:
             f"--only: {what}; choose among {', '.join(sorted(ALL_FUSED_OPS))}", option="--only"
         )
     return ops
+
+
+def _no_effect(option: str, why: str) -> OptionError:
+    return OptionError(f"{option} has no effect {why}; drop it", option=option)
+
+
+def check_combination(args: argparse.Namespace) -> None:
+    """Refuse options that would be ignored (or contradict each other) in this command.
+
+    An ignored option is a mistake the user would not see: ``--seeds`` without ``--verify``
+    verifies nothing, a second ``-o`` would drop the first (:class:`_Once`).
+    """
+    if args.list_adapters and args.self_check:
+        raise OptionError(
+            "--list-adapters and --self-check: give one of them", option="--self-check"
+        )
+    fuse_options = {
+        "input": args.input,
+        "-o": args.output,
+        "--report": args.report,
+        "--only": args.only,
+        "--target": args.target,
+        "--seeds": args.seeds,
+        "--verify": args.verify,
+        "--explain": args.explain,
+        "--demo": args.demo,
+    }
+    for command, on in (("--list-adapters", args.list_adapters), ("--self-check", args.self_check)):
+        if on:
+            for option, value in fuse_options.items():
+                if value not in (None, False):
+                    shown = f"the model {value!r}" if option == "input" else option
+                    raise _no_effect(shown, f"with {command}")
+    if args.seed is not None and not args.self_check:
+        raise _no_effect("--seed", "without --self-check (--seeds sets verification seeds)")
+    if args.seeds is not None and not (args.verify or args.demo):
+        raise _no_effect("--seeds", "without --verify")
+    if args.demo and args.input:
+        raise OptionError(
+            f"--demo fuses the embedded sample: the model {args.input!r} would be ignored; "
+            "give one of them",
+            option="--demo",
+        )
+    if args.quiet and args.explain:
+        raise OptionError("--quiet and --explain contradict each other; drop one", option="--quiet")
+    if args.quiet and args.list_adapters:
+        raise _no_effect("--quiet", "with --list-adapters (listing is all it does)")
+
+
+def _folder_like(path: str) -> bool:
+    """``out/`` or ``out/.``: a name the user meant as a folder (``Path`` would drop the ``/``)."""
+    seps = tuple(sep for sep in (os.sep, os.altsep) if sep)
+    return path.endswith(seps) or Path(path).name in ("", ".", "..")
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -195,6 +307,19 @@ def _error(message: str, code: int) -> int:
     return code
 
 
+def _warn_stale_data(output: str, written: list[Path]) -> None:
+    """Say so when ``OUT.onnx.data`` of an earlier run sits beside an output written inline."""
+    from onnx_moe_fuse.io.model_io import data_file_for
+
+    data = data_file_for(output)
+    if data.name not in {p.name for p in written} and (data.exists() or data.is_symlink()):
+        print(
+            f"onnx-moe-fuse: warning: {str(data)!r} is from an earlier run: {output!r} keeps "
+            "its weights inline and does not read it (left as it was; delete it if unused)",
+            file=sys.stderr,
+        )
+
+
 # -- commands -------------------------------------------------------------------------------------
 
 
@@ -203,6 +328,13 @@ def _check_paths(args: argparse.Namespace, input_path: Path | None) -> None:
     from onnx_moe_fuse.io.model_io import data_file_for, input_files
     from onnx_moe_fuse.io.output_paths import check_output_paths
 
+    for option, value in (("-o", args.output), ("--report", args.report)):
+        if value and (_folder_like(value) or os.path.isdir(value)):  # isdir never raises
+            raise OptionError(
+                f"{option} {value!r} is a folder (or names one); name a file, such as "
+                f"{os.path.join(value, 'fused.onnx' if option == '-o' else 'report.json')!r}",
+                option=option,
+            )
     outputs: dict[str, Path] = {}
     if args.output:
         outputs["-o"] = Path(args.output)
@@ -229,9 +361,9 @@ def _fuse_command(args: argparse.Namespace) -> int:
     from onnx_moe_fuse import api
     from onnx_moe_fuse.io.model_io import load_model, save_model_atomic
 
-    seeds = parse_seeds(args.seeds)
+    seeds = parse_seeds("0,1,2" if args.seeds is None else args.seeds)
     only = parse_only(args.only)
-    target = api.check_target(args.target)  # parsed once, handed down as it is
+    target = api.check_target(args.target or DEFAULT_TARGET)  # parsed once, handed down as it is
     if args.demo:
         input_path = None
     else:
@@ -291,6 +423,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
     if args.output:
         written = save_model_atomic(result.model, args.output, input_path=input_path)
         print("wrote " + ", ".join(str(p) for p in written))
+        _warn_stale_data(args.output, written)
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote {args.report}")
@@ -314,6 +447,7 @@ def _fuse_streaming(
     if args.explain:
         _print_near_misses(report)
     print("wrote " + ", ".join(str(p) for p in result.written))
+    _warn_stale_data(args.output, result.written)
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote {args.report}")
@@ -333,6 +467,14 @@ def _self_check(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_combination(args)
+    if not args.quiet:
+        return _dispatch(args)
+    with open(os.devnull, "w", encoding="utf-8") as nowhere, contextlib.redirect_stdout(nowhere):
+        return _dispatch(args)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.list_adapters:
         from onnx_moe_fuse.kernels import list_adapters
 
@@ -347,26 +489,72 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_USAGE
 
 
-def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    """What a user's input or options can raise: exit 2 with the message, no traceback."""
-    from onnx_moe_fuse.verify.reference import FeedTooLargeError
+def _bad_input_message(exc: MoEFuseError) -> str:
+    """The one line for a user's error; advice the command line can follow where it differs."""
+    from onnx_moe_fuse.verify.feeds import FeedTooLargeError
 
-    return (MoEFuseError, FeedTooLargeError)
+    if isinstance(exc, FeedTooLargeError):  # its own advice names the API's dim_values
+        return (
+            f"--verify: {' '.join(exc.detail.split())}: fuse without --verify (the model is "
+            "then written unverified), or verify a model whose inputs have smaller fixed dims"
+        )
+    return one_line(exc)
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so every ``finally`` cleans up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: The signals that stop a run cleanly (exit 128 + the signal's number), as Ctrl-C does.
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+def _stop(signum: int, frame: object) -> NoReturn:
+    for other in _STOP_SIGNALS:  # a second signal must not interrupt the cleanup
+        signal.signal(other, signal.SIG_IGN)
+    raise _Signalled(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_unwind() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise :class:`_Signalled` while the command runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _stop) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script: returns the exit code (see the module docstring)."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
-        return _run(args)
+        with _stop_signals_unwind():
+            args = _parser().parse_args(argv)
+            return _run(args)
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt:
-        return _error("interrupted; nothing written", 130)
+        return _error("interrupted; the files this run had begun are removed", 130)
+    except _Signalled as exc:
+        name = signal.Signals(exc.signum).name
+        return _error(
+            f"stopped by {name}; the files this run had begun are removed", 128 + exc.signum
+        )
     except Exception as exc:  # every error leaves through here: one line, a code that means it
-        if isinstance(exc, _bad_input_errors()):
-            return _error(one_line(exc), EXIT_USAGE)
+        found = user_error_in(exc)  # a pass manager may wrap ours (a full disk while fusing)
+        if found is not None:
+            return _error(_bad_input_message(found), EXIT_USAGE)
         if debug:
             traceback.print_exc()
         hint = "" if debug else " (rerun with --debug for the traceback)"

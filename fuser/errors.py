@@ -26,6 +26,7 @@ __all__ = [
     "OptionError",
     "OutputPathError",
     "OutputWriteError",
+    "user_error_in",
 ]
 
 
@@ -88,3 +89,19 @@ class OutputWriteError(MoEFuseError, OSError):
     """Writing an output failed (disk full, permission denied); nothing partial was left."""
 
     path: str | None = None
+
+
+def user_error_in(exc: BaseException) -> MoEFuseError | None:
+    """The :class:`MoEFuseError` that ``exc`` is or wraps (``raise ... from``), or None.
+
+    onnx-ir's pass manager wraps whatever a pass raises in a ``PassError``: a full disk met by
+    the scratch weight file (:class:`OutputWriteError`) reaches the caller as the cause of one.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, MoEFuseError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -40,6 +40,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,13 @@ import onnx
 import onnx_ir as ir
 
 from onnx_moe_fuse.contract.targets import DEFAULT, Target, as_target
-from onnx_moe_fuse.errors import ExternalDataError, ModelLoadError, MoEFuseError, OutputWriteError
+from onnx_moe_fuse.errors import (
+    ExternalDataError,
+    ModelLoadError,
+    MoEFuseError,
+    OutputWriteError,
+    user_error_in,
+)
 from onnx_moe_fuse.io.external_data import resolve_external_file
 from onnx_moe_fuse.io.model_check import all_tensors, is_external
 from onnx_moe_fuse.io.model_io import (
@@ -60,7 +67,7 @@ from onnx_moe_fuse.io.model_io import (
     input_files,
     move_into_place,
 )
-from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line
+from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line, size_text
 from onnx_moe_fuse.io.weight_sink import ScratchFileSink
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 
@@ -196,6 +203,19 @@ def _write(
     return [n for n in (data_name, name) if (tmp / n).exists()]
 
 
+#: Tests only (tests/cli/test_cli_signals.py): when set to a path, :func:`fuse_file` creates
+#: that file and sleeps once the output is written into its temporary folder (the scratch file
+#: still open), just before moving it into place, so a test can signal a run that is mid-write.
+TEST_PAUSE_ENV = "ONNX_MOE_FUSE_TEST_PAUSE_BEFORE_MOVE"
+
+
+def _test_pause() -> None:
+    marker = os.environ.get(TEST_PAUSE_ENV)
+    if marker:
+        Path(marker).touch()
+        time.sleep(60)
+
+
 def fuse_file(
     input_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
@@ -236,7 +256,13 @@ def fuse_file(
     report = FusionReport()
     with contextlib.ExitStack() as cleanup:
         sink = cleanup.enter_context(ScratchFileSink(folder)) if external else None
-        fusion_pipeline(report, only, target=parsed, weight_sink=sink)(model)
+        try:
+            fusion_pipeline(report, only, target=parsed, weight_sink=sink)(model)
+        except Exception as exc:  # onnx-ir's PassError wraps the scratch file's full disk
+            found = user_error_in(exc)
+            if found is None:
+                raise
+            raise found from found.__cause__  # its own cause (the OSError) stays
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
         except OSError as exc:
@@ -249,12 +275,15 @@ def fuse_file(
             for name in names:
                 os.chmod(tmp / name, new_file_mode())
                 fsync_path(tmp / name)
+            _test_pause()
             move_into_place(tmp, folder, names, out.name)
         except OSError as exc:
             if isinstance(exc, MoEFuseError):
                 raise
+            needed = size_text(_initializer_bytes(model))
             raise OutputWriteError(
-                f"cannot write {str(out)!r}: {exc.strerror or one_line(exc)}; nothing was written",
+                f"cannot write {str(out)!r}: {exc.strerror or one_line(exc)} (the model's "
+                f"weights need about {needed}); nothing was written",
                 path=out,
             ) from exc
     return StreamedFusion(report=report, written=[folder / name for name in names])

@@ -53,7 +53,13 @@ from onnx_moe_fuse.errors import (
 )
 from onnx_moe_fuse.io.external_data import check_external, load_external, resolve_external_file
 from onnx_moe_fuse.io.model_check import all_tensors, is_external, validate_model
-from onnx_moe_fuse.io.output_paths import check_output_paths, fsync_folder, new_file_mode, one_line
+from onnx_moe_fuse.io.output_paths import (
+    check_output_paths,
+    fsync_folder,
+    new_file_mode,
+    one_line,
+    size_text,
+)
 
 __all__ = [
     "ExternalDataError",
@@ -394,8 +400,12 @@ def save_model_atomic(
             fsync_path(tmp / name)
         move_into_place(tmp, folder, names, out.name)
     except OSError as exc:
+        needed = ""
+        with contextlib.suppress(ValueError, OverflowError):
+            needed = f" (the model needs about {size_text(proto.ByteSize())})"
         raise OutputWriteError(
-            f"cannot write {str(out)!r}: {exc.strerror or one_line(exc)}; nothing was written",
+            f"cannot write {str(out)!r}: {exc.strerror or one_line(exc)}{needed}; "
+            "nothing was written",
             path=out,
         ) from exc
     finally:

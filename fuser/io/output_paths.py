@@ -34,6 +34,7 @@ __all__ = [
     "fsync_folder",
     "new_file_mode",
     "one_line",
+    "size_text",
     "write_text_atomic",
 ]
 
@@ -41,6 +42,14 @@ __all__ = [
 def one_line(exc: BaseException) -> str:
     """An exception's message squeezed onto one line."""
     return " ".join(str(exc).split())
+
+
+def size_text(nbytes: int) -> str:
+    """``1536000`` -> ``"1.5 MB"``: a size for a message."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _same_file(a: Path, b: Path) -> bool:

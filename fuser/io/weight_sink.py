@@ -20,20 +20,41 @@ spilled initializers read the scratch file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.errors import OutputWriteError
+from onnx_moe_fuse.io.output_paths import one_line, size_text
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 
 __all__ = ["ScratchFileSink", "WeightSink", "in_memory"]
 
 #: Tensor offsets in the scratch file are multiples of this (a memory map then reads aligned data).
 ALIGNMENT = 64
+
+
+def _reason(exc: OSError, file: BinaryIO) -> str:
+    """Why a write to ``file`` failed, in words.
+
+    numpy's ``tofile`` reports a short write without the errno: writing one more byte asks the
+    file system again, and its refusal says why (no space left, file too large).
+    """
+    if exc.strerror:
+        return exc.strerror
+    try:
+        file.write(b"\0")
+        file.flush()
+    except OSError as again:
+        if again.strerror:
+            return again.strerror
+    return f"short write, the disk is full or a file size limit is reached ({one_line(exc)})"
 
 
 class ScratchFileSink:
@@ -58,9 +79,17 @@ class ScratchFileSink:
             raise ValueError(f"the scratch weight file {self.path} is closed")
         tensor = ir.tensor(np.ascontiguousarray(array), name=name)
         offset = -(-self._file.tell() // ALIGNMENT) * ALIGNMENT
-        self._file.seek(offset)
-        tensor.tofile(self._file)
-        self._file.flush()  # the tensor may be read back (mapped) before the sink is closed
+        try:
+            self._file.seek(offset)
+            tensor.tofile(self._file)
+            self._file.flush()  # the tensor may be read back (mapped) before the sink is closed
+        except OSError as exc:  # a full disk, a file size limit: the user's, not ours
+            raise OutputWriteError(
+                f"cannot write the scratch weight file {str(self.path)!r}: {_reason(exc, self._file)} "
+                f"(tensor {name!r} needed {size_text(array.nbytes)} more, after "
+                f"{size_text(self.bytes_written)} already there); nothing was written",
+                path=self.path,
+            ) from exc
         length = self._file.tell() - offset
         self.bytes_written += length
         self.tensors_written += 1
@@ -77,7 +106,8 @@ class ScratchFileSink:
     def close(self) -> None:
         """Close and remove the scratch file (idempotent)."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a full disk may refuse the buffered rest
+                self._file.close()
             self._file = None
         self.path.unlink(missing_ok=True)
 

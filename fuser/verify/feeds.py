@@ -45,10 +45,12 @@ class FeedTooLargeError(MoEFuseError, ValueError):
 
     input_name: str
     nbytes: int
+    #: the message without its advice (the command line gives its own: it has no dims option)
+    detail: str
 
-    def __init__(self, message: str, input_name: str, nbytes: int):
+    def __init__(self, message: str, input_name: str, nbytes: int, detail: str | None = None):
         """One line naming the input, its shape and size."""
-        super().__init__(message, input_name=input_name, nbytes=nbytes)
+        super().__init__(message, input_name=input_name, nbytes=nbytes, detail=detail or message)
 
 
 def _size_text(nbytes: int) -> str:
@@ -98,13 +100,17 @@ def feed_shapes(
         nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         total += nbytes
         if total > max_bytes:
-            raise FeedTooLargeError(
+            detail = (
                 f"input {value.name!r} of shape {list(shape)} ({dtype}) would take "
                 f"{_size_text(nbytes)} of random values; the checker makes at most "
-                f"{_size_text(max_bytes)} of inputs per model: give its symbolic dims smaller "
-                "values, or verify a smaller model",
+                f"{_size_text(max_bytes)} of inputs per model"
+            )
+            raise FeedTooLargeError(
+                f"{detail}: pass smaller dim_values for its symbolic dims, or verify a smaller "
+                "model",
                 value.name,
                 nbytes,
+                detail=detail,
             )
         shapes[value.name] = (dtype, shape)
     return shapes

@@ -328,3 +328,28 @@ def test_every_rule_spills_the_same_weights(name, target, tmp_path):
         values = spilled.graph.initializers.values()
         assert any(isinstance(v.const_value, ir.ExternalTensor) for v in values)
         assert _nodes(ir.to_proto(spilled)) == _nodes(ir.to_proto(kept))
+
+
+def test_a_full_scratch_file_raises_output_write_error_not_pass_error(tmp_path):
+    """The sink's OSError inside onnx-ir's pass manager reaches the caller as ours (issue 19)."""
+    from onnx_moe_fuse.errors import OutputWriteError
+
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        src = tmp_path / "m.onnx"
+        model = stacked_moe_model(2, 64, 128, 4)
+        onnx.save_model(
+            model, src, save_as_external_data=True, location="m.onnx.data", size_threshold=256
+        )
+        with pytest.raises(OutputWriteError, match="scratch weight file.*No space left") as e:
+            streaming_io.fuse_file(src, full / "o.onnx")
+        assert isinstance(e.value.__cause__, OSError)
+        assert list(full.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
