@@ -71,11 +71,13 @@ def _value(name: str, dtype: ir.DataType, shape: list) -> ir.Value:
 
 
 @functools.cache
-def _session(op_name: str, construction: str, e: int, k: int, sum_to_one: bool, rank: int = 2):
+def _session(
+    op_name: str, construction: str, e: int, k: int, sum_to_one: bool, rank: int = 2, dt=np.float32
+):
     """An ORT session of one fused node routed by ``construction`` from inputs idx, w."""
     op = TapeRewriterContext()
     lead = ["T"] if rank == 2 else ["B", "S"]
-    f32 = ir.DataType.FLOAT
+    f32 = ir.DataType.from_numpy(np.dtype(dt))
     x = _value("x", f32, [*lead, HID])
     idx = _value("idx", ir.DataType.INT64, [*lead, k])
     w = _value("w", f32, [*lead, k])
@@ -122,16 +124,16 @@ def _session(op_name: str, construction: str, e: int, k: int, sum_to_one: bool, 
     return session(ir.serde.serialize_model(ir.Model(graph, ir_version=10)))
 
 
-def _experts(rng: np.random.Generator, op_name: str, e: int):
+def _experts(rng: np.random.Generator, op_name: str, e: int, dt=np.float32):
     """Random experts: the session feeds and their float64 values ``[E, N, K]``."""
     if op_name == MOE.name:
-        w1 = (rng.standard_normal((e, INTER, HID)) / np.sqrt(HID)).astype(np.float32)
-        w2 = (rng.standard_normal((e, HID, INTER)) / np.sqrt(INTER)).astype(np.float32)
+        w1 = (rng.standard_normal((e, INTER, HID)) / np.sqrt(HID)).astype(dt)
+        w2 = (rng.standard_normal((e, HID, INTER)) / np.sqrt(INTER)).astype(dt)
         return {"fc1": w1, "fc2": w2}, w1.astype(np.float64), w2.astype(np.float64)
     q1 = rng.integers(0, 256, (e, INTER, HID), dtype=np.uint8)
     q2 = rng.integers(0, 256, (e, HID, INTER), dtype=np.uint8)
-    s1 = (rng.uniform(0.5, 1.5, (e, INTER)) / (64 * np.sqrt(HID))).astype(np.float32)
-    s2 = (rng.uniform(0.5, 1.5, (e, HID)) / (64 * np.sqrt(INTER))).astype(np.float32)
+    s1 = (rng.uniform(0.5, 1.5, (e, INTER)) / (64 * np.sqrt(HID))).astype(dt)
+    s2 = (rng.uniform(0.5, 1.5, (e, HID)) / (64 * np.sqrt(INTER))).astype(dt)
     d1 = (q1.astype(np.float64) - 128) * s1[..., None]
     d2 = (q2.astype(np.float64) - 128) * s2[..., None]
     return {"fc1": q1, "fc2": q2, "s1": s1, "s2": s2}, d1, d2
@@ -150,14 +152,16 @@ def _per_slot(x, idx, w, d1, d2) -> np.ndarray:
     return out.reshape(*idx.shape[:-1], HID)
 
 
-def _run_path(rng, op_name, construction, idx, w, e, *, sum_to_one=False, case="", rank=2) -> float:
+def _run_path(
+    rng, op_name, construction, idx, w, e, *, sum_to_one=False, case="", rank=2, dt=np.float32
+) -> float:
     k = idx.shape[-1]
-    sess = _session(op_name, construction, e, k, sum_to_one, rank)
-    feeds, d1, d2 = _experts(rng, op_name, e)
-    x = rng.standard_normal((*idx.shape[:-1], HID)).astype(np.float32)
-    feeds.update(x=x, idx=idx.astype(np.int64), w=w.astype(np.float32))
+    sess = _session(op_name, construction, e, k, sum_to_one, rank, dt)
+    feeds, d1, d2 = _experts(rng, op_name, e, dt)
+    x = rng.standard_normal((*idx.shape[:-1], HID)).astype(dt)
+    feeds.update(x=x, idx=idx.astype(np.int64), w=w.astype(dt))
     (got,) = sess.run(None, feeds)
-    want = _per_slot(x, idx, w.astype(np.float32), d1, d2)
+    want = _per_slot(x, idx, w.astype(dt), d1, d2)
     err = nonzero_rel_err(got, want)
     _record(f"{op_name}/{construction}", case, err)
     return err
@@ -219,6 +223,21 @@ def test_fused_node_reproduces_the_per_slot_sum(op_name, construction, case):
     idx, w, e, sum_to_one = _case(case, rng)
     err = _run_path(rng, op_name, construction, idx, w, e, sum_to_one=sum_to_one, case=case)
     assert err < TOL, f"{op_name}/{construction} {case}: {err:.3e} (TEST_SEED={seed})"
+
+
+#: Bound for float16 activations (and so float16 routing arithmetic): measured <= 7.4e-4.
+TOL_FP16 = 5e-3
+
+
+@pytest.mark.parametrize(("op_name", "construction"), PATHS)
+@pytest.mark.parametrize("case", ["random", "zero weight", "large spread", "E=128,k=8"])
+def test_float16_layers(op_name, construction, case):
+    rng, seed = seeded_rng()
+    idx, w, e, _ = _case(case, rng)
+    if case == "large spread":
+        w = w / np.float32(1e3)  # float16 holds 1e3, not 1e6
+    err = _run_path(rng, op_name, construction, idx, w, e, case=f"fp16 {case}", dt=np.float16)
+    assert err < TOL_FP16, f"{op_name}/{construction} float16 {case}: {err:.3e} (TEST_SEED={seed})"
 
 
 def test_three_dimensional_selection_is_flattened():
