@@ -18,6 +18,7 @@ import pytest
 from helpers import nonzero_rel_err, seeded_rng, session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnxscript.rewriter import pattern
 from onnxscript.rewriter._context import TapeRewriterContext
 
 from onnx_moe_fuse.contract.ops import CONTRIB_OPS, MOE, QMOE
@@ -420,3 +421,87 @@ def test_ort_qmoe_skips_final_weights_up_to_1e_8():
     # scaled by the row maximum, a row of small weights is reproduced (the "tiny" case above)
     idx, w = np.array([[0, 1]]), np.array([[1e-10, 3e-10]], np.float32)
     assert _run_path(rng, QMOE.name, ROUTER_WEIGHTS, idx, w, 4, case="1e-10 row") < TOL
+
+
+# -- from a rule's rewrite -------------------------------------------------------------------------
+
+
+class _PlaceholderExperts(pattern.RewriteRuleClassBase):
+    """Rewrites a stand-in ``test.Experts(x, idx, w, fc1, fc2)`` into MoE routed by the module.
+
+    The stand-in is the layer a rule has recognised (the experts applied per selected slot);
+    the router before it stays as the model wrote it.
+    """
+
+    def pattern(self, op, x, idx, w, fc1, fc2):
+        return op.Experts(x, idx, w, fc1, fc2, _domain="test.moe")
+
+    def rewrite(self, op, x, idx, w, fc1, fc2):
+        e = fc1.shape[0]
+        construction = construction_for(MOE.name, "ort-cpu")
+        routing = build_routing(op, idx, w, e, construction)
+        inputs = MOE.input_list(
+            {"input": x, **routing.inputs(), "fc1_experts_weights": fc1, "fc2_experts_weights": fc2}
+        )
+        out = op.op(
+            MOE.name,
+            *inputs,
+            _domain=MOE.domain,
+            k=idx.shape[-1],
+            activation_type="silu",
+            use_sparse_mixer=0,
+            swiglu_fusion=0,
+            activation_alpha=1.0,
+            activation_beta=0.0,
+            **routing.attributes(),
+        )
+        return routing.rescaled(op, out)
+
+
+def test_a_rule_rewrite_builds_the_routing_after_a_sigmoid_router():
+    """A sigmoid top-k router (weights not summing to one) fused through onnxscript's rewriter."""
+    rng, seed = seeded_rng()
+    e, k = 8, 3
+    f32 = ir.DataType.FLOAT
+    x = _value("x", f32, ["T", HID])
+    wr = _value("wr", f32, [HID, e])
+    fc1, fc2 = _value("fc1", f32, [e, INTER, HID]), _value("fc2", f32, [e, HID, INTER])
+    kk = ir.Value(name="k", const_value=ir.tensor(np.array([k], np.int64)))
+    nodes = [
+        ir.node("MatMul", [x, wr], outputs=[logits := ir.Value(name="logits")]),
+        ir.node(
+            "TopK",
+            [logits, kk],
+            outputs=[vals := ir.Value(name="vals"), _value("idx", ir.DataType.INT64, ["T", k])],
+        ),
+    ]
+    idx = nodes[1].outputs[1]
+    nodes.append(ir.node("Sigmoid", [vals], outputs=[w := _value("w", f32, ["T", k])]))
+    nodes.append(
+        ir.node(
+            "Experts",
+            [x, idx, w, fc1, fc2],
+            domain="test.moe",
+            outputs=[_value("y", f32, ["T", HID])],
+        )
+    )
+    graph = ir.Graph(
+        [x, wr, fc1, fc2],
+        [nodes[-1].outputs[0], idx, w],
+        nodes=nodes,
+        initializers=[kk],
+        opset_imports={"": 18, "test.moe": 1},
+    )
+    model = ir.Model(graph, ir_version=10)
+    count = pattern.RewriteRuleSet([_PlaceholderExperts.rule()]).apply_to_model(model)
+    assert count == 1
+    assert [n.op_type for n in model.graph if n.domain == "test.moe"] == []
+    model.opset_imports["com.microsoft"] = 1
+    sess = session(ir.serde.serialize_model(model))
+    feeds, d1, d2 = _experts(rng, MOE.name, e)
+    xs = rng.standard_normal((6, HID)).astype(np.float32)
+    feeds.update(x=xs, wr=rng.standard_normal((HID, e)).astype(np.float32))
+    y, got_idx, got_w = sess.run(None, feeds)
+    err = nonzero_rel_err(y, _per_slot(xs, got_idx, got_w, d1, d2))
+    _record("MoE/logits", "rule, sigmoid", err)
+    assert err < TOL, f"{err:.3e} (TEST_SEED={seed})"
