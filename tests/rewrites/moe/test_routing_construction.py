@@ -505,3 +505,27 @@ def test_a_rule_rewrite_builds_the_routing_after_a_sigmoid_router():
     err = nonzero_rel_err(y, _per_slot(xs, got_idx, got_w, d1, d2))
     _record("MoE/logits", "rule, sigmoid", err)
     assert err < TOL, f"{err:.3e} (TEST_SEED={seed})"
+
+
+@pytest.mark.parametrize("opset", [15, 17])
+@pytest.mark.parametrize("construction", [LOGITS, ROUTER_WEIGHTS])
+def test_older_opsets_take_reduce_max_axes_as_an_attribute(opset, construction):
+    rng, _ = seeded_rng()
+    idx, w, e, _ = _case("zero weight", rng)
+    op = TapeRewriterContext()
+    vi = _value("idx", ir.DataType.INT64, ["T", idx.shape[1]])
+    vw = _value("w", ir.DataType.FLOAT, ["T", idx.shape[1]])
+    r = build_routing(op, vi, vw, e, construction, opset=opset)
+    outs = [v for v in (r.router_probs, r.router_weights, r.scale) if v is not None]
+    for i, v in enumerate(outs):
+        v.name = f"out{i}"
+    graph = ir.Graph([vi, vw], outs, nodes=op.nodes, opset_imports={"": opset})
+    got = session(ir.serde.serialize_model(ir.Model(graph, ir_version=8))).run(
+        None, {"idx": idx, "w": w}
+    )
+    ref = reference_routing(idx, w, e, construction)
+    want = [v for v in (ref.router_probs, ref.router_weights, ref.scale) if v is not None]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-7, atol=1e-6)
+    with pytest.raises(ValueError, match="opset >= 15"):
+        build_routing(TapeRewriterContext(), vi, vw, e, construction, opset=14)
