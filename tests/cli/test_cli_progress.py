@@ -181,15 +181,25 @@ def test_progress_changes_no_byte_of_the_output(tmp_path, monkeypatch, external)
 
 
 @pytest.mark.skipif(not MAIN_CLI.exists(), reason="the main branch's command line is not here")
-@pytest.mark.parametrize(("name", "external"), [(SMALL, True), (SMALL, False), (SMALL_FLOAT, True)])
-def test_the_output_is_byte_for_byte_mains(tmp_path, name, external):
+@pytest.mark.parametrize(
+    ("name", "external", "options"),
+    [
+        (SMALL, True, []),
+        (SMALL, False, []),
+        (SMALL_FLOAT, True, []),
+        (SMALL, True, ["--verify", "--seeds", "0"]),  # the in-memory path
+    ],
+)
+def test_the_output_is_byte_for_byte_mains(request, tmp_path, name, external, options):
+    if options:
+        request.getfixturevalue("device")  # skips without a WebGPU adapter
     src = save_sample(tmp_path, name, file_name="m.onnx", external=external)
     ours, theirs = tmp_path / "ours", tmp_path / "main"
     ours.mkdir()
     theirs.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [str(MAIN_CLI), str(src), "-o", str(theirs / "o.onnx"), "-q"],
+        [str(MAIN_CLI), str(src), "-o", str(theirs / "o.onnx"), "-q", *options],
         capture_output=True,
         text=True,
         timeout=300,
@@ -198,7 +208,7 @@ def test_the_output_is_byte_for_byte_mains(tmp_path, name, external):
     )
     if done.returncode != EXIT_OK:
         pytest.skip(f"the main branch's command line did not run here: {done.stderr[-300:]}")
-    code, _, err = run_cli([src, "-o", ours / "o.onnx"])
+    code, _, err = run_cli([src, "-o", ours / "o.onnx", *options])
     assert code == EXIT_OK, err
     names = sorted(p.name for p in theirs.iterdir())
     assert names == sorted(p.name for p in ours.iterdir())
