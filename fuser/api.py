@@ -32,6 +32,8 @@ from onnx_moe_fuse.errors import OptionError
 from onnx_moe_fuse.io.model_check import validate_model
 from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.pipeline import ALL_FUSED_OPS, FusionReport, fusion_pipeline
+from onnx_moe_fuse.progress import Progress, fused_text
+from onnx_moe_fuse.rewrites.graph.weight_sink import in_memory
 
 __all__ = ["FuseResult", "FusionReport", "check_target", "fuse"]
 
@@ -91,6 +93,7 @@ def fuse(
     *,
     only: set[str] | frozenset[str] | None = None,
     target: Target | str = DEFAULT_TARGET,
+    progress: Progress | None = None,
 ) -> FuseResult:
     """Fuse every layer of ``model`` that provably equals one MoE / QMoE / MatMulNBitsQkv node.
 
@@ -104,6 +107,9 @@ def fuse(
             ``onnx_moe_fuse.contract.targets.TARGETS`` (``"ort-cpu"``, the default,
             ``"ort-cuda"``, ``"ort-webgpu"``): only ops it has kernels for are emitted, each with
             the attribute set it accepts.
+        progress: times and shows the ``fuse`` stage, its layers and repacked bytes
+            (:class:`onnx_moe_fuse.progress.Progress`; default silent). The report's ``run``
+            section has the stage times, the versions and the peak memory either way.
 
     Returns:
         A :class:`FuseResult`. Layers that do not fuse are left exactly as they were; the
@@ -130,7 +136,17 @@ def fuse(
     else:
         raise TypeError(f"fuse() takes a ModelProto, an onnx_ir.Model or a path, not {type(model)}")
     report = FusionReport()
-    fusion_pipeline(report, ops, target=parsed)(ir_model)
+    progress = progress if progress is not None else Progress()
+    with progress.stage("fuse"):
+        fusion_pipeline(
+            report,
+            ops,
+            target=parsed,
+            weight_sink=progress.watch_sink(None, in_memory),
+            observer=progress,
+        )(ir_model)
+        progress.detail = fused_text(report)
+    report.run = progress.run_section()
     if not report.fusions and proto_in is not None:
         out = onnx.ModelProto()
         out.CopyFrom(proto_in)

@@ -36,11 +36,14 @@ import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, TARGETS, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
 from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
+
+if TYPE_CHECKING:
+    from onnx_moe_fuse.progress import Progress
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
@@ -347,19 +350,22 @@ def _check_paths(args: argparse.Namespace, input_path: Path | None) -> None:
     check_output_paths(outputs, protected=input_files(input_path))
 
 
-def _needs_adapter() -> int | None:
+def _needs_adapter() -> int | str:
+    """The WebGPU adapter's description, or the exit code when there is none."""
     from onnx_moe_fuse.kernels import NoAdapterError, default_device
 
     try:
-        default_device()
+        return default_device().description
     except NoAdapterError as exc:
         return _error(f"--verify needs a WebGPU adapter: {exc}", EXIT_NO_ADAPTER)
-    return None
 
 
 def _fuse_command(args: argparse.Namespace) -> int:
     from onnx_moe_fuse import api
     from onnx_moe_fuse.io.model_io import load_model, save_model_atomic
+    from onnx_moe_fuse.progress import Progress
+
+    progress = Progress(quiet=args.quiet)
 
     seeds = parse_seeds("0,1,2" if args.seeds is None else args.seeds)
     only = parse_only(args.only)
@@ -376,7 +382,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
         input_path = Path(args.input)
     _check_paths(args, input_path)
     if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
-        return _fuse_streaming(args, input_path, only, target)
+        return _fuse_streaming(args, input_path, only, target, progress)
     if args.demo:
         from onnx_moe_fuse.samples import default_sample
 
@@ -384,13 +390,15 @@ def _fuse_command(args: argparse.Namespace) -> int:
         print(f"demo: sample {sample.name}: {sample.description}")
         original = sample.model
     else:
-        original = load_model(input_path)
+        with progress.stage("load"):
+            original = load_model(input_path)
+    adapter = None
     if args.verify or args.demo:
-        refused = _needs_adapter()
-        if refused is not None:
-            return refused
+        adapter = _needs_adapter()
+        if isinstance(adapter, int):
+            return adapter
 
-    result = api.fuse(original, only=only, target=target)
+    result = api.fuse(original, only=only, target=target, progress=progress)
     report: dict[str, Any] = {
         "input": str(input_path) if input_path else "demo sample",
         "output": args.output,
@@ -406,7 +414,9 @@ def _fuse_command(args: argparse.Namespace) -> int:
         from onnx_moe_fuse.verify.checker import verify
 
         if result.fused:
-            verification = verify(original, result.model, seeds=seeds)
+            with progress.stage("verify"):
+                verification = verify(original, result.model, seeds=seeds)
+                progress.detail = "passed" if verification.passed else "FAILED"
             report["verification"] = verification.to_dict()
             print(verification.summary())
             ok = verification.passed
@@ -418,25 +428,32 @@ def _fuse_command(args: argparse.Namespace) -> int:
             print("verification: nothing fused, nothing to verify")
     if not ok:
         if args.report:
+            report["run"] = progress.run_section(adapter)
             write_json_atomic(args.report, report)
         return _error("verification FAILED: no model written", EXIT_FAILED)
     if args.output:
-        written = save_model_atomic(result.model, args.output, input_path=input_path)
+        with progress.stage("save"):
+            written = save_model_atomic(result.model, args.output, input_path=input_path)
         print("wrote " + ", ".join(str(p) for p in written))
         _warn_stale_data(args.output, written)
     if args.report:
+        report["run"] = progress.run_section(adapter)
         write_json_atomic(args.report, report)
         print(f"wrote {args.report}")
     return EXIT_OK
 
 
 def _fuse_streaming(
-    args: argparse.Namespace, input_path: Path, only: set[str] | None, target: Target
+    args: argparse.Namespace,
+    input_path: Path,
+    only: set[str] | None,
+    target: Target,
+    progress: Progress,
 ) -> int:
     """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
     from onnx_moe_fuse.streaming_io import fuse_file
 
-    result = fuse_file(input_path, args.output, only=only, target=target)
+    result = fuse_file(input_path, args.output, only=only, target=target, progress=progress)
     report: dict[str, Any] = {
         "input": str(input_path),
         "output": args.output,

@@ -70,6 +70,8 @@ from onnx_moe_fuse.io.model_io import (
 from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line, size_text
 from onnx_moe_fuse.io.weight_sink import ScratchFileSink
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
+from onnx_moe_fuse.progress import Progress, fused_text
+from onnx_moe_fuse.rewrites.graph.weight_sink import in_memory
 
 __all__ = ["StreamedFusion", "fuse_file"]
 
@@ -222,6 +224,7 @@ def fuse_file(
     *,
     only: Iterable[str] | None = None,
     target: Target | str | None = None,
+    progress: Progress | None = None,
 ) -> StreamedFusion:
     """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
 
@@ -231,6 +234,9 @@ def fuse_file(
         only: the ops that may be emitted (default all; see :func:`onnx_moe_fuse.fuse`).
         target: the runtime the fused nodes are written for, a ``Target`` or its name
             (default: the pipeline's, ``ort-cpu``); a name is parsed here, before any work.
+        progress: times and shows the stages ``load``, ``fuse``, ``save``
+            (:class:`onnx_moe_fuse.progress.Progress`; default silent); the report's ``run``
+            section has their times either way.
 
     Raises:
         ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
@@ -244,25 +250,36 @@ def fuse_file(
     src = Path(input_path)
     out = Path(out_path)
     data = data_file_for(out)
-    check_model_file(src)  # one clear error for a bad model or data file, before any work
-    check_output_paths({"the output model": out, "its data file": data}, protected=input_files(src))
-    folder = out.parent if str(out.parent) else Path(".")
-    try:
-        model = ir.load(os.fspath(src))
-    except (ValueError, RuntimeError, TypeError, OSError) as exc:
-        raise ModelLoadError(src, f"{src} is not a valid ONNX model: {one_line(exc)}") from exc
-    external = _readable_external_tensors(model, src) or _initializer_bytes(model) > PROTOBUF_LIMIT
+    progress = progress if progress is not None else Progress()
+    with progress.stage("load"):
+        check_model_file(src)  # one clear error for a bad model or data file, before any work
+        check_output_paths(
+            {"the output model": out, "its data file": data}, protected=input_files(src)
+        )
+        folder = out.parent if str(out.parent) else Path(".")
+        try:
+            model = ir.load(os.fspath(src))
+        except (ValueError, RuntimeError, TypeError, OSError) as exc:
+            raise ModelLoadError(src, f"{src} is not a valid ONNX model: {one_line(exc)}") from exc
+        external = (
+            _readable_external_tensors(model, src) or _initializer_bytes(model) > PROTOBUF_LIMIT
+        )
 
     report = FusionReport()
     with contextlib.ExitStack() as cleanup:
         sink = cleanup.enter_context(ScratchFileSink(folder)) if external else None
-        try:
-            fusion_pipeline(report, only, target=parsed, weight_sink=sink)(model)
-        except Exception as exc:  # onnx-ir's PassError wraps the scratch file's full disk
-            found = user_error_in(exc)
-            if found is None:
-                raise
-            raise found from found.__cause__  # its own cause (the OSError) stays
+        watched = progress.watch_sink(sink, in_memory)
+        with progress.stage("fuse"):
+            try:
+                fusion_pipeline(
+                    report, only, target=parsed, weight_sink=watched, observer=progress
+                )(model)
+            except Exception as exc:  # onnx-ir's PassError wraps the scratch file's full disk
+                found = user_error_in(exc)
+                if found is None:
+                    raise
+                raise found from found.__cause__  # its own cause (the OSError) stays
+            progress.detail = fused_text(report)
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
         except OSError as exc:
@@ -271,12 +288,13 @@ def fuse_file(
             ) from exc
         cleanup.callback(shutil.rmtree, tmp, ignore_errors=True)
         try:
-            names = _write(model, report, src, tmp, out.name, data.name, external)
-            for name in names:
-                os.chmod(tmp / name, new_file_mode())
-                fsync_path(tmp / name)
-            _test_pause()
-            move_into_place(tmp, folder, names, out.name)
+            with progress.stage("save"):
+                names = _write(model, report, src, tmp, out.name, data.name, external)
+                for name in names:
+                    os.chmod(tmp / name, new_file_mode())
+                    fsync_path(tmp / name)
+                _test_pause()
+                move_into_place(tmp, folder, names, out.name)
         except OSError as exc:
             if isinstance(exc, MoEFuseError):
                 raise
@@ -286,4 +304,5 @@ def fuse_file(
                 f"weights need about {needed}); nothing was written",
                 path=out,
             ) from exc
+    report.run = progress.run_section()
     return StreamedFusion(report=report, written=[folder / name for name in names])

@@ -53,6 +53,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "FusionReport",
             "NearMissTracer",
             "FuseMoELayersPass",
+            "LayerObserver",
             "FuseQkvPass",
             "ALL_FUSED_OPS",
             "RemoveDeadCodePass",

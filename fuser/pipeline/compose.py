@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.contract.targets import DEFAULT, Target, as_target
 from onnx_moe_fuse.pipeline.common import ALL_FUSED_OPS, INTERNAL_DOMAIN
-from onnx_moe_fuse.pipeline.fuse_moe_layers import FuseMoELayersPass
+from onnx_moe_fuse.pipeline.fuse_moe_layers import FuseMoELayersPass, LayerObserver
 from onnx_moe_fuse.pipeline.fuse_qkv import FuseQkvPass
 from onnx_moe_fuse.pipeline.fused_nodes_check import REQUIRED_ATTRIBUTES, FusedNodesCheckPass
 from onnx_moe_fuse.pipeline.lower_opset import OPSET_CHANGES, LowerOpsetPass
@@ -27,6 +27,7 @@ __all__ = [
     "FusionReport",
     "NearMissTracer",
     "FuseMoELayersPass",
+    "LayerObserver",
     "FuseQkvPass",
     "ALL_FUSED_OPS",
     "RemoveDeadCodePass",
@@ -41,11 +42,14 @@ def fusion_pipeline(
     only: Iterable[str] | None = None,
     target: Target | str = DEFAULT,
     weight_sink: WeightSink | None = None,
+    observer: LayerObserver | None = None,
 ) -> ir.passes.PassManager:
     """The whole pipeline as one ``PassManager`` (one step); ``report`` collects the results.
 
     ``weight_sink`` receives every repacked weight (:mod:`onnx_moe_fuse.io.weight_sink`; default in
-    memory): the command line's streaming path spills them to a scratch file.
+    memory): the command line's streaming path spills them to a scratch file. ``observer`` (a
+    :class:`~onnx_moe_fuse.pipeline.fuse_moe_layers.LayerObserver`) is told of each candidate MoE
+    layer as the MoE pass finishes it (the command line's progress); it changes nothing.
 
     ``only`` names the ops that may be emitted (default: all of :data:`ALL_FUSED_OPS`);
     ``target`` the runtime the fused nodes are written for, a
@@ -59,7 +63,7 @@ def fusion_pipeline(
     report.target = target.name
     return ir.passes.PassManager(
         [
-            FuseMoELayersPass(report, only, target, weight_sink),
+            FuseMoELayersPass(report, only, target, weight_sink, observer),
             FuseQkvPass(report, only, target, weight_sink),
             RemoveDeadCodePass(report),
             LowerOpsetPass(report, target),

@@ -7,7 +7,7 @@ the target cannot run becomes a near miss of part ``target``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import onnx_ir as ir
 
@@ -38,6 +38,23 @@ from onnx_moe_fuse.rewrites.moe.layer_rules import (
 )
 from onnx_moe_fuse.rewrites.moe.routers import classify_router
 from onnx_moe_fuse.rewrites.moe.rule_base import LAYER_OUT_KEY, TOPK_KEY
+
+
+class LayerObserver(Protocol):
+    """Told how the MoE pass advances (the command line's progress bar); never changes the work.
+
+    ``layers_found(count)`` once, with the number of candidate layers (routing TopK/ArgMax nodes
+    of the canonicalised working copy), then ``layer_done(name, fused)`` once per candidate:
+    each fused layer as it is spliced, then every candidate that did not fuse.
+    """
+
+    def layers_found(self, count: int) -> None:
+        """``count`` candidate layers are about to be analysed."""
+        ...
+
+    def layer_done(self, name: str, fused: bool) -> None:
+        """The candidate ``name`` (a TopK's output, or the fused node) is done."""
+        ...
 
 
 def emitted(only: Iterable[str] | None) -> frozenset[str]:
@@ -115,10 +132,15 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         only: Iterable[str] | None = None,
         target: Target = DEFAULT,
         weight_sink: WeightSink | None = None,
+        observer: LayerObserver | None = None,
     ):
-        """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights."""
+        """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights.
+
+        ``observer`` (a :class:`LayerObserver`) is told of each candidate layer as it is done.
+        """
         super().__init__()
         self.weight_sink = weight_sink
+        self.observer = observer
         self.emit = emitted(only) & FUSED_OPS
         self.target = target
         self.report = report if report is not None else FusionReport()
@@ -138,6 +160,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         refusals: list[Refusal] = []
         self.report.canonicalisation.extend(canonicalise(work, refusals))
 
+        candidates = [n for n in work.graph if n.op_type in ("TopK", "ArgMax")]
+        if self.observer is not None:
+            self.observer.layers_found(len(candidates))
         tracer = NearMissTracer(refusals)
         moe_layer_rule_set(self.emit, probe=True, splice=True).apply_to_model(work, tracer=tracer)
         rules = moe_layer_rule_set(self.emit, splice=True, weight_sink=self.weight_sink)
@@ -146,9 +171,11 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         spliced = 0
         fused_roots: set[str] = set()
         fused_topks: set[str] = set()
+        done: set[str] = set()
         for node in fused_nodes(work.graph):
             layer_out = node.metadata_props.get(LAYER_OUT_KEY, "")
-            fused_topks.add(node.metadata_props.get(TOPK_KEY, ""))
+            topk_name = node.metadata_props.get(TOPK_KEY, "")
+            fused_topks.add(topk_name)
             reason = _target_refusal(node, self.target)
             if reason is not None:
                 self.report.add_near_miss(
@@ -182,6 +209,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 )
                 continue
             spliced += 1
+            if self.observer is not None:
+                done.add(topk_name)
+                self.observer.layer_done(result.node.name or layer_out, True)
             fused_roots.add(layer_out or "")
             self.report.fusions.append(
                 {
@@ -196,6 +226,11 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
                 result.node.metadata_props.pop(key, None)
         self._near_misses(tracer, work, refusals, fused_roots, fused_topks)
+        if self.observer is not None:
+            for node in candidates:
+                name = node.outputs[0].name or node.name or ""
+                if name not in done:
+                    self.observer.layer_done(name, False)
         for tensor, name in tensor_names:
             if tensor.name != name:
                 tensor.name = name

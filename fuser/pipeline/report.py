@@ -49,12 +49,16 @@ class FusionReport:
     ``target``: the runtime the fused nodes were written for (one of
     :data:`onnx_moe_fuse.contract.targets.TARGETS`); a layer whose fused op that runtime
     lacks is a near miss of part ``target``.
+    ``run``: how the run went, filled by the fronts (:mod:`onnx_moe_fuse.progress`): the tool's
+    and its libraries' versions, each stage's wall time, the peak memory (empty when the
+    pipeline was run directly).
     """
 
     fusions: list[dict[str, Any]] = field(default_factory=list)
     near_misses: list[dict[str, Any]] = field(default_factory=list)
     canonicalisation: list[str] = field(default_factory=list)
     target: str = ort_contract.DEFAULT_TARGET
+    run: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
