@@ -34,11 +34,18 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, TARGETS, Target
+from onnx_moe_fuse.cli_options import (
+    build_parser,
+    check_combination,
+    folder_like,
+    parse_only,
+    parse_seeds,
+)
+from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
 from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
 
@@ -46,220 +53,6 @@ if TYPE_CHECKING:
     from onnx_moe_fuse.progress import Progress
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
-
-_SEED_LIMIT = 2**63  # numpy's generators take any non-negative integer; keep it to int64
-
-
-class _Once(argparse.Action):
-    """Store an option's value, refusing a second one (``-o a -o b`` would drop ``a``)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        """Set the value, or raise :class:`OptionError` when the option was given already."""
-        seen = namespace.__dict__.setdefault("_given", set())
-        if self.dest in seen:
-            raise OptionError(
-                f"{'/'.join(self.option_strings)} is given twice ({getattr(namespace, self.dest)!r} "
-                f"and {values!r}); give it once",
-                option=option_string,
-            )
-        seen.add(self.dest)
-        setattr(namespace, self.dest, values)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`OptionError` instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        """Turn argparse's complaint into an :class:`OptionError` (exit code 2)."""
-        raise OptionError(f"{message} (see --help)")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="onnx-moe-fuse",
-        description="Fuse mixture-of-experts layers of ONNX models into ONNX Runtime's "
-        "QMoE / MoE / MatMulNBitsQkv nodes, and prove each rewrite on WebGPU.",
-        epilog="Exit codes: 0 success, 1 verification or self-check failed (no output "
-        "written), 2 bad input or options (nothing written), 3 no WebGPU adapter, "
-        "4 internal error (--debug shows the traceback).",
-    )
-    parser.add_argument("input", nargs="?", help="the model to fuse (.onnx)")
-    parser.add_argument(
-        "-o", "--output", action=_Once, help="where to write the fused model (atomically)"
-    )
-    parser.add_argument(
-        "--verify",
-        action="store_true",
-        help="run original and fused model on random inputs and compare "
-        "(reference path vs WebGPU kernels and ONNX Runtime); a failure "
-        "exits 1 and writes no model",
-    )
-    parser.add_argument(
-        "--report", action=_Once, help="write a JSON report: fusions, near misses, verification"
-    )
-    parser.add_argument(
-        "--only",
-        action=_Once,
-        help="comma-separated ops that may be emitted (MoE, QMoE, MatMulNBitsQkv; default all)",
-    )
-    parser.add_argument(
-        "--target",
-        action=_Once,
-        choices=TARGETS,
-        help="the ONNX Runtime package the fused nodes are written for: only ops it has "
-        f"kernels for, with the attributes it accepts (default {DEFAULT_TARGET})",
-    )
-    parser.add_argument(
-        "--explain",
-        action="store_true",
-        help="list near misses: layers that looked like MoE and why they did not fuse",
-    )
-    parser.add_argument(
-        "--seeds", action=_Once, help="verification seeds (default 0,1,2; only with --verify)"
-    )
-    parser.add_argument(
-        "--demo",
-        action="store_true",
-        help="fuse and verify the embedded default sample (a Mixtral-like int4 layer)",
-    )
-    parser.add_argument(
-        "--self-check",
-        action="store_true",
-        help="run every kernel package's test cases on this machine's WebGPU "
-        "adapter against the numpy oracles",
-    )
-    parser.add_argument(
-        "--list-adapters",
-        action="store_true",
-        help="list the WebGPU adapters wgpu finds, best first",
-    )
-    parser.add_argument(
-        "--seed", action=_Once, type=int, help="random seed for --self-check (only with it)"
-    )
-    parser.add_argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        help="print nothing but errors and warnings (no summary; not with --explain)",
-    )
-    parser.add_argument(
-        "--debug", action="store_true", help="print the traceback of an internal error"
-    )
-    parser.add_argument("--version", action="version", version=f"onnx-moe-fuse {_version()}")
-    return parser
-
-
-def _version() -> str:
-    """The installed package's version (the source tree's when not installed)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("onnx-moe-fuse")
-    except metadata.PackageNotFoundError:
-        from onnx_moe_fuse import __version__
-
-        return __version__
-
-
-# -- options --------------------------------------------------------------------------------------
-
-
-def parse_seeds(text: str) -> list[int]:
-    """``"0,1,2"`` -> ``[0, 1, 2]``; :class:`OptionError` naming ``--seeds`` otherwise."""
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise OptionError(
-            f"--seeds must be integers separated by commas, such as 0,1,2: got {text!r}",
-            option="--seeds",
-        )
-    seeds = []
-    for part in parts:
-        if not part.isdecimal() or not part.isascii():
-            raise OptionError(
-                f"--seeds: {part!r} is not a non-negative integer (seeds are 0 or more)",
-                option="--seeds",
-            )
-        seed = int(part)
-        if seed >= _SEED_LIMIT:
-            raise OptionError(f"--seeds: {part} is too large (under 2**63)", option="--seeds")
-        seeds.append(seed)
-    return seeds
-
-
-def parse_only(text: str | None) -> set[str] | None:
-    """``"QMoE,MoE"`` -> ``{"QMoE", "MoE"}``; unknown or no op: :class:`OptionError`."""
-    from onnx_moe_fuse.pipeline import ALL_FUSED_OPS
-
-    if text is None:
-        return None
-    ops = {op.strip() for op in text.split(",") if op.strip()}
-    unknown = sorted(ops - ALL_FUSED_OPS)
-    if not ops or unknown:
-        what = f"unknown ops {unknown}" if unknown else "no op named"
-        raise OptionError(
-            f"--only: {what}; choose among {', '.join(sorted(ALL_FUSED_OPS))}", option="--only"
-        )
-    return ops
-
-
-def _no_effect(option: str, why: str) -> OptionError:
-    return OptionError(f"{option} has no effect {why}; drop it", option=option)
-
-
-def check_combination(args: argparse.Namespace) -> None:
-    """Refuse options that would be ignored (or contradict each other) in this command.
-
-    An ignored option is a mistake the user would not see: ``--seeds`` without ``--verify``
-    verifies nothing, a second ``-o`` would drop the first (:class:`_Once`).
-    """
-    if args.list_adapters and args.self_check:
-        raise OptionError(
-            "--list-adapters and --self-check: give one of them", option="--self-check"
-        )
-    fuse_options = {
-        "input": args.input,
-        "-o": args.output,
-        "--report": args.report,
-        "--only": args.only,
-        "--target": args.target,
-        "--seeds": args.seeds,
-        "--verify": args.verify,
-        "--explain": args.explain,
-        "--demo": args.demo,
-    }
-    for command, on in (("--list-adapters", args.list_adapters), ("--self-check", args.self_check)):
-        if on:
-            for option, value in fuse_options.items():
-                if value not in (None, False):
-                    shown = f"the model {value!r}" if option == "input" else option
-                    raise _no_effect(shown, f"with {command}")
-    if args.seed is not None and not args.self_check:
-        raise _no_effect("--seed", "without --self-check (--seeds sets verification seeds)")
-    if args.seeds is not None and not (args.verify or args.demo):
-        raise _no_effect("--seeds", "without --verify")
-    if args.demo and args.input:
-        raise OptionError(
-            f"--demo fuses the embedded sample: the model {args.input!r} would be ignored; "
-            "give one of them",
-            option="--demo",
-        )
-    if args.quiet and args.explain:
-        raise OptionError("--quiet and --explain contradict each other; drop one", option="--quiet")
-    if args.quiet and args.list_adapters:
-        raise _no_effect("--quiet", "with --list-adapters (listing is all it does)")
-
-
-def _folder_like(path: str) -> bool:
-    """``out/`` or ``out/.``: a name the user meant as a folder (``Path`` would drop the ``/``)."""
-    seps = tuple(sep for sep in (os.sep, os.altsep) if sep)
-    return path.endswith(seps) or Path(path).name in ("", ".", "..")
-
 
 # -- output ---------------------------------------------------------------------------------------
 
@@ -332,7 +125,7 @@ def _check_paths(args: argparse.Namespace, input_path: Path | None) -> None:
     from onnx_moe_fuse.io.output_paths import check_output_paths
 
     for option, value in (("-o", args.output), ("--report", args.report)):
-        if value and (_folder_like(value) or os.path.isdir(value)):  # isdir never raises
+        if value and (folder_like(value) or os.path.isdir(value)):  # isdir never raises
             raise OptionError(
                 f"{option} {value!r} is a folder (or names one); name a file, such as "
                 f"{os.path.join(value, 'fused.onnx' if option == '-o' else 'report.json')!r}",
@@ -502,7 +295,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _self_check(args)
     if args.demo or args.input or args.output:
         return _fuse_command(args)
-    _parser().print_help()
+    build_parser().print_help()
     return EXIT_USAGE
 
 
@@ -557,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         with _stop_signals_unwind():
-            args = _parser().parse_args(argv)
+            args = build_parser().parse_args(argv)
             return _run(args)
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_OK

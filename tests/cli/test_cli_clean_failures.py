@@ -36,7 +36,8 @@ from cli_cases import (
     without_progress,
 )
 
-from onnx_moe_fuse.cli import EXIT_USAGE, _bad_input_message, _parser
+from onnx_moe_fuse.cli import EXIT_USAGE, _bad_input_message
+from onnx_moe_fuse.cli_options import build_parser as _parser
 from onnx_moe_fuse.streaming_io import TEST_PAUSE_ENV
 from onnx_moe_fuse.verify.feeds import FeedTooLargeError, feed_shapes
 
