@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.contract.ops import MS_DOMAIN
+from onnx_moe_fuse.rewrites.graph.facts import label as graph_label
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     FUSED_OPS,
     REPLACED_KEY,
@@ -32,18 +33,8 @@ _RULE_NAME_TAG = "pkg.onnxscript.rewriter.rule_name"
 
 
 def label(node: ir.Node | None) -> str | None:
-    if node is None:
-        return None
-    if node.name:
-        return node.name
-    out = node.outputs[0].name if node.outputs else ""
-    return f"{node.op_type}({out})"
-
-
-def source_label(item: ir.Node | ir.Value) -> str:
-    if isinstance(item, ir.Node):
-        return label(item) or ""
-    return item.name or f"output {item.index()} of {label(item.producer())}"
+    """A report's name for ``node`` (:func:`~onnx_moe_fuse.rewrites.graph.facts.label`), None for none."""
+    return None if node is None else graph_label(node)
 
 
 def rule_name(node: ir.Node) -> str | None:

@@ -18,11 +18,8 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from onnx_moe_fuse.pipeline.common import (
-    label,
-    source_label,
-)
-from onnx_moe_fuse.rewrites.graph.facts import value_label
+from onnx_moe_fuse.pipeline.common import label
+from onnx_moe_fuse.rewrites.graph.facts import escape_from, escape_where, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import (
     DENSE_EXPERTS,
     EXPERT_LOOP,
@@ -32,6 +29,7 @@ from onnx_moe_fuse.rewrites.graph.refusals import (
     RefusalTracer,
     recorded,
     refusal_of,
+    source_label,
 )
 from onnx_moe_fuse.rewrites.moe.routers import router_near_miss
 
@@ -70,23 +68,15 @@ class Attempt:
 
 def _escape_reason(nodes: Iterable[ir.Node], root: ir.Node) -> tuple[str, list[str]]:
     inside = set(nodes)
-    for node in inside:
-        for out in node.outputs:
-            if node is root:
-                continue
-            if out.is_graph_output():
-                where = "a graph output"
-            else:
-                users = [u for u, _ in out.uses() if u not in inside]
-                if not users:
-                    continue
-                where = f"used by {users[0].op_type} '{label(users[0])}' outside the layer"
-            name = out.name or f"output {out.index()} of {label(node)}"
-            return (
-                f"an intermediate value escapes the layer: '{name}' ({node.op_type} "
-                f"'{label(node)}') is also {where}",
-                [name],
-            )
+    escape = escape_from(inside, inside, skip=root)
+    if escape is not None:
+        node, out, user = escape
+        name = out.name or f"output {out.index()} of {label(node)}"
+        return (
+            f"an intermediate value escapes the layer: '{name}' ({node.op_type} "
+            f"'{label(node)}') is also {escape_where(user)}",
+            [name],
+        )
     return "an intermediate value of the layer is used outside it", []
 
 

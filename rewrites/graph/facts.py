@@ -13,7 +13,7 @@ is :class:`onnx_moe_fuse.rewrites.graph.refusals.Refusal`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -54,6 +54,33 @@ def value_label(value: ir.Value | None) -> str:
     if value.name:
         return value.name
     return f"output {value.index()} of {label(value.producer())}"
+
+
+def escape_from(
+    nodes: Iterable[ir.Node], inside: Collection[ir.Node], skip: ir.Node | None = None
+) -> tuple[ir.Node, ir.Value, ir.Node | None] | None:
+    """The first output of ``nodes`` (``skip``'s excepted) that leaves the region ``inside``.
+
+    ``(node, output, user)``: ``user`` is the first node outside ``inside`` that reads the output,
+    or None when the output is a graph output. None when nothing escapes.
+    """
+    for node in nodes:
+        if node is skip:
+            continue
+        for out in node.outputs:
+            if out.is_graph_output():
+                return node, out, None
+            users = [u for u, _ in out.uses() if u not in inside]
+            if users:
+                return node, out, users[0]
+    return None
+
+
+def escape_where(user: ir.Node | None) -> str:
+    """Where an escaping value goes, in words (:func:`escape_from`'s ``user``)."""
+    if user is None:
+        return "a graph output"
+    return f"used by {user.op_type} '{label(user)}' outside the layer"
 
 
 def default_opset(graph: ir.Graph | None) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Collection
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.graph.facts import label, value_label
+from onnx_moe_fuse.rewrites.graph.facts import escape_from, escape_where, label, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.moe.parts.activation import (
     FAMILIES,
@@ -109,21 +109,13 @@ def escaping_value(parts: LayerParts, inside: Collection[ir.Node]) -> Refusal | 
     see that an intermediate of FC1, the activation or FC2 feeds something else; replacing the
     layer output would then leave that part computed twice. The combine's output is the layer's.
     """
-    for node in parts.nodes:
-        if node is parts.combine.root:
-            continue
-        for out in node.outputs:
-            if out.is_graph_output():
-                where = "a graph output"
-            else:
-                users = [u for u, _ in out.uses() if u not in inside]
-                if not users:
-                    continue
-                where = f"used by {users[0].op_type} '{label(users[0])}' outside the layer"
-            return Refusal(
-                f"an intermediate value escapes the layer: '{value_label(out)}' "
-                f"({node.op_type} '{label(node)}') is also {where}",
-                out,
-                part="region",
-            )
+    escape = escape_from(parts.nodes, inside, skip=parts.combine.root)
+    if escape is not None:
+        node, out, user = escape
+        return Refusal(
+            f"an intermediate value escapes the layer: '{value_label(out)}' "
+            f"({node.op_type} '{label(node)}') is also {escape_where(user)}",
+            out,
+            part="region",
+        )
     return None
