@@ -73,12 +73,19 @@ def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Non
     write_text_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
 
 
-def _print_fusions(report: dict[str, Any], target: Target) -> None:
+def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False) -> None:
     fusions = report["fusions"]
     if not fusions:
         print("nothing fused")
     for f in fusions:
         print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
+        routing = f.get("routing")
+        if explain and routing:
+            rescale = ", the output rescaled per token" if routing["rescaled"] else ""
+            print(
+                f"  routing: {routing['construction']} construction{rescale}; the router "
+                f"({routing['router']}: {routing['router_description']}) stays in the graph"
+            )
     default = " (the default; --target picks another runtime)"
     print(f"target {target.name}{default if target.name == DEFAULT_TARGET else ''}")
 
@@ -198,7 +205,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
         "target": target.name,
         **result.report.to_dict(),
     }
-    _print_fusions(report, target)
+    _print_fusions(report, target, args.explain)
     if args.explain:
         _print_near_misses(report)
 
@@ -253,7 +260,7 @@ def _fuse_streaming(
         "target": target.name,
         **result.report.to_dict(),
     }
-    _print_fusions(report, target)
+    _print_fusions(report, target, args.explain)
     if args.explain:
         _print_near_misses(report)
     print("wrote " + ", ".join(str(p) for p in result.written))

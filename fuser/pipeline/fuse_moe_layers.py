@@ -37,7 +37,12 @@ from onnx_moe_fuse.rewrites.moe.layer_rules import (
     moe_layer_rule_set,
 )
 from onnx_moe_fuse.rewrites.moe.routers import classify_router
-from onnx_moe_fuse.rewrites.moe.rule_base import LAYER_OUT_KEY, TOPK_KEY
+from onnx_moe_fuse.rewrites.moe.rule_base import (
+    LAYER_OUT_KEY,
+    RESCALED_KEY,
+    ROUTING_KEY,
+    TOPK_KEY,
+)
 
 
 class LayerObserver(Protocol):
@@ -104,6 +109,29 @@ def _producer_of(graph: ir.Graph, name: str | None) -> ir.Node | None:
     return next((n for n in graph if n.outputs and n.outputs[0].name == name), None)
 
 
+def _rescale_of(node: ir.Node) -> ir.Node:
+    """The ``Mul`` the routing construction put after the fused ``node`` (its one user)."""
+    users = node.outputs[0].uses()
+    assert len(users) == 1 and users[0][0].op_type == "Mul", users
+    return users[0][0]
+
+
+def _routing_record(node: ir.Node, graph: ir.Graph) -> dict[str, Any] | None:
+    """The report's words on a fused node fed by the routing construction (None otherwise)."""
+    construction = node.metadata_props.get(ROUTING_KEY)
+    if construction is None:
+        return None
+    topk = _producer_of(graph, node.metadata_props.get(TOPK_KEY))
+    form = classify_router(topk) if topk is not None else None
+    return {
+        "construction": construction,
+        "rescaled": bool(node.metadata_props.get(RESCALED_KEY)),
+        "router": form.kind if form is not None else "unknown",
+        "router_description": form.description if form is not None else "",
+        "topk": label(topk),
+    }
+
+
 def apply_target_attributes(node: ir.Node, target: Target) -> None:
     """Give the fused ``node`` the attribute set ``target`` takes (``contract.targets``)."""
     attrs = target.node_attributes(
@@ -164,8 +192,12 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         if self.observer is not None:
             self.observer.layers_found(len(candidates))
         tracer = NearMissTracer(refusals)
-        moe_layer_rule_set(self.emit, probe=True, splice=True).apply_to_model(work, tracer=tracer)
-        rules = moe_layer_rule_set(self.emit, splice=True, weight_sink=self.weight_sink)
+        moe_layer_rule_set(self.emit, probe=True, splice=True, target=self.target).apply_to_model(
+            work, tracer=tracer
+        )
+        rules = moe_layer_rule_set(
+            self.emit, splice=True, weight_sink=self.weight_sink, target=self.target
+        )
         rules.apply_to_model(work)
 
         spliced = 0
@@ -192,8 +224,10 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 )
                 continue
             apply_target_attributes(node, self.target)
-            # the proved output, or a Reshape after it that the original has (a split moved out)
-            last, replaces = origin_tail(node, layer_out, model.graph)
+            # the proved output (the rescale after the node, where the routing construction
+            # has one), or a Reshape after it that the original has (a split moved out)
+            end = _rescale_of(node) if node.metadata_props.get(RESCALED_KEY) else node
+            last, replaces = origin_tail(end, layer_out, model.graph)
             try:
                 result = splice_fused_node(model, node, replaces, last=last)
             except Refusal as refusal:  # the splice's, of part region, naming a model value
@@ -213,17 +247,19 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 done.add(topk_name)
                 self.observer.layer_done(result.node.name or layer_out, True)
             fused_roots.add(layer_out or "")
-            self.report.fusions.append(
-                {
-                    "op": result.node.op_type,
-                    "name": result.node.name,
-                    "rule": rule_name(result.node),
-                    "replaced": list(result.replaced),
-                    "kept": list(result.kept),
-                    "attributes": {k: attr_value(a) for k, a in result.node.attributes.items()},
-                }
-            )
-            for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY):
+            fusion = {
+                "op": result.node.op_type,
+                "name": result.node.name,
+                "rule": rule_name(result.node),
+                "replaced": list(result.replaced),
+                "kept": list(result.kept),
+                "attributes": {k: attr_value(a) for k, a in result.node.attributes.items()},
+            }
+            routing = _routing_record(node, work.graph)
+            if routing is not None:
+                fusion["routing"] = routing
+            self.report.fusions.append(fusion)
+            for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY, ROUTING_KEY, RESCALED_KEY):
                 result.node.metadata_props.pop(key, None)
         self._near_misses(tracer, work, refusals, fused_roots, fused_topks)
         if self.observer is not None:
@@ -282,7 +318,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 router = classify_router(node).scores
                 if router is None and node.inputs and node.inputs[0] is not None:
                     router = node.inputs[0].producer()
-                if reason.startswith("router not fusable") and id(router) in routers:
+                if reason.startswith("router not fus") and id(router) in routers:
                     continue  # one near miss per router: PhiMoE's two rounds read one router
                 routers.add(id(router))
                 if dense is not None:

@@ -106,24 +106,29 @@ class NearMissTracer(RefusalTracer):
         topk = router = None
         try:
             values = match_result.bindings.get("topk_values")
-            scores = match_result.bindings.get("router_scores")
         except ValueError:  # bindings of an unfinished alternative
-            values = scores = None
+            values = None
         if isinstance(values, ir.Value):
             topk = values.producer()
-        if isinstance(scores, ir.Value) and scores.producer() is not None:
-            if scores.producer().op_type in ("Softmax", "Sigmoid"):
-                router = scores.producer()
         sources = match_result.failure_nodes_and_values
         if escape:
             reason, names = _escape_reason(match_result.nodes, node)
             refusal = Refusal(reason)
         else:
             refusal = refusal_of(match_result) or Refusal(reason, *sources)
+            # the rules' pattern is the combine alone: the refusal names the layer's TopK once
+            # recognition found it; a weighted sum with no TopK behind it is no MoE layer
+            topk = topk or refusal.topk
+            if topk is None:
+                return
             deferred = self._deferred(refusal)
             if deferred is not None:
                 refusal, sources = deferred, deferred.failure_sources
             names = [source_label(s) for s in sources]
+        scores = topk.inputs[0] if topk is not None and topk.inputs else None
+        if scores is not None and scores.producer() is not None:
+            if scores.producer().op_type in ("Softmax", "Sigmoid"):
+                router = scores.producer()
         self.attempts.append(Attempt(str(rule), node, refusal, topk, router, tuple(names)))
 
     def _deferred(self, refusal: Refusal) -> Refusal | None:

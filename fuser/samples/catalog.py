@@ -70,6 +70,11 @@ _GPTOSS = _Family(
     fc1_scale=5.0,  # FC1 outputs beyond +-7 on a good share of elements: the clamps matter
 )
 _GELU = _Family("gelu", "GELU-MLP", 32, 64, 4, 2, "softmax_topk_renorm", "gelu_tanh")
+# a sigmoid router (GLM-4.5 / DeepSeek-V3 style scores): fed to the fused node as its selection
+# and final weights (the routing construction), the router staying in the graph
+_SIGMOID = _Family(
+    "sigmoid", "Mixtral-like, sigmoid router", 64, 32, 8, 2, "sigmoid_topk_renorm", "swiglu"
+)
 
 _ROUTING_TEXT: dict[str, str] = {
     "softmax_topk_renorm": "Softmax over the experts, TopK, renormalised (ReduceSum + Div)",
@@ -173,11 +178,21 @@ def _describe(title: str, spec: LayerSpec, extra: str = "") -> str:
     return " ".join(parts)
 
 
+def _constructed(spec: LayerSpec) -> bool:
+    """The fused op cannot compute the router itself: it is fed the selection and weights."""
+    quantized = spec.weights != "f32"
+    return spec.routing == "sigmoid_topk_renorm" or (quantized and spec.routing == "softmax_topk")
+
+
 def _expected_attributes(spec: LayerSpec) -> dict[str, AttrValue]:
-    attrs: dict[str, AttrValue] = {
-        "k": spec.top_k,
-        "normalize_routing_weights": 0 if spec.routing == "softmax_topk" else 1,
-    }
+    quantized = spec.weights != "f32"
+    attrs: dict[str, AttrValue] = {"k": spec.top_k}
+    if _constructed(spec):
+        # the routing construction: router_weights as they are for QMoE on ORT CPU, log-weights
+        # renormalised by the node (and rescaled after it) otherwise
+        attrs["normalize_routing_weights"] = 0 if quantized else 1
+    else:
+        attrs["normalize_routing_weights"] = 0 if spec.routing == "softmax_topk" else 1
     if spec.activation == "swiglu":
         attrs.update(activation_type="swiglu", swiglu_fusion=1)
         attrs.update(activation_alpha=1.0, activation_beta=0.0)
@@ -201,6 +216,8 @@ def _positive(fam: _Family, spelling: Spelling, weights: Weights, rank: int = 2)
     kept = [("MatMul", 1 + (4 if fam.shared_inter else 0))]
     if fam.shared_inter:
         kept.append(("Sigmoid", 2))
+    if fam.routing == "sigmoid_topk_renorm":
+        kept.append(("Sigmoid", 1))  # the router stays as the model wrote it
     return Entry(
         spec=spec,
         family=fam.key,
@@ -236,15 +253,6 @@ def _near_miss(
 # (what, base family, weights, reason keyword, why, LayerSpec overrides)
 _NEAR_MISSES: list[tuple[str, _Family, Weights, str, str, dict[str, object]]] = [
     (
-        "sigmoid_routing",
-        _MIXTRAL,
-        "int4b32",
-        "sigmoid routing",
-        "the router scores are Sigmoid, not Softmax; neither MoE nor QMoE computes that "
-        "without router_weights.",
-        {"routing": "sigmoid_topk_renorm"},
-    ),
-    (
         "asym_zp",
         _MIXTRAL,
         "u8asym",
@@ -261,16 +269,6 @@ _NEAR_MISSES: list[tuple[str, _Family, Weights, str, str, dict[str, object]]] = 
         "the expert weights are graph inputs, so they cannot be repacked into the fused node's "
         "layout at fusion time.",
         {"weights_as_inputs": True},
-    ),
-    (
-        "qmoe_no_renorm",
-        _QWEN2,
-        "int4b32",
-        "not renormalised",
-        "the routing weights are not renormalised (Qwen2-MoE style), which only MoE can express "
-        "(normalize_routing_weights=0), but the weights are quantized, which only QMoE takes, "
-        "and QMoE always renormalises.",
-        {},
     ),
     (
         "erf_gelu",
@@ -294,6 +292,8 @@ def _catalog() -> dict[str, Entry]:
                 entries.append(_positive(fam, spelling, weights))
     entries += [_positive(_MIXTRAL, s, "int4b32", rank=3) for s in spellings]
     entries += [_positive(_QWEN2, s, "f32") for s in spellings]
+    entries += [_positive(_QWEN2, s, "int4b32") for s in spellings]
+    entries += [_positive(_SIGMOID, s, w) for s in spellings for w in ("f32", "int4b32")]
     entries += [_positive(_QWEN2, s, "f32", rank=3) for s in spellings]
     entries += [_positive(_GELU, s, "f32") for s in spellings]
     for what, fam, weights, reason, why, over in _NEAR_MISSES:
@@ -305,3 +305,10 @@ def _catalog() -> dict[str, Entry]:
 
 
 CATALOG: dict[str, Entry] = _catalog()
+
+#: Positive samples whose router the fused op does not compute itself: the fused node is fed
+#: the selection and its weights (the routing construction), so no fused node of the sample's
+#: router logits alone computes the layer.
+CONSTRUCTED_ROUTING: frozenset[str] = frozenset(
+    name for name, e in CATALOG.items() if e.expected and _constructed(e.spec)
+)

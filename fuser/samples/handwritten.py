@@ -35,6 +35,14 @@ from onnx_moe_fuse.samples.handwritten_dense import (
     qwen3_int4,
 )
 from onnx_moe_fuse.samples.handwritten_graph import Fused, HandwrittenLayer, Refused
+from onnx_moe_fuse.samples.handwritten_router_traps import (
+    capacity_drop,
+    ernie_clamped,
+    negative_weights,
+    switch_top1,
+    weights_other_experts,
+    weights_other_token,
+)
 from onnx_moe_fuse.samples.handwritten_routers import (
     deepseek_v3,
     llama4_prescaled,
@@ -91,6 +99,12 @@ HANDWRITTEN: dict[str, Callable[[], HandwrittenLayer]] = {
     "router_deepseek_v3": deepseek_v3,
     "router_softmax_scaled": softmax_scaled,
     "router_phimoe_sparse_mixer": phimoe_sparse_mixer,
+    "router_ernie_clamped": ernie_clamped,
+    "router_switch_top1": switch_top1,
+    "router_trap_other_experts": weights_other_experts,
+    "router_trap_other_token": weights_other_token,
+    "router_trap_negative": negative_weights,
+    "router_trap_capacity": capacity_drop,
 }
 
 

@@ -1,29 +1,31 @@
-"""Hand-written MoE layers whose routers the fused ops cannot take (yet): each must be refused.
+"""Hand-written MoE layers whose routers are not what ``com.microsoft.MoE`` / ``QMoE`` compute.
 
 Layer 11 of the hand-written catalogue (:mod:`onnx_moe_fuse.samples.handwritten`). The experts
 are ordinary per-slot SwiGLU experts (float ``[E, K, N]`` weights, Gather/Expand/MatMul); only
-the router differs from what ``com.microsoft.MoE`` / ``QMoE`` compute (softmax over all experts,
-top-k, optional renormalisation), so a correct fuser refuses each and its near miss names the
-router:
+the router differs from the fused ops' own (softmax over all experts, top-k, optional
+renormalisation). A top-k selection with per-selected non-negative weights fuses, the router
+staying in the graph (the routing construction, ``docs/routing.md``); the rest must be refused
+with the router named:
 
-* :func:`sigmoid_topk`: Llama4-style sigmoid of the top-k logits weighting the expert outputs;
-* :func:`llama4_prescaled`: Llama4 as its code reads: the sigmoid of the top-1 logit scales the
-  token before the expert (not expressible as a weighted sum of expert outputs);
-* :func:`deepseek_v3`: sigmoid scores, ``e_score_correction_bias`` for the selection only,
-  group-limited top-k (top-2 sum per group, top groups, masked scores), weights gathered from the
-  unbiased scores, renormalised and multiplied by ``routed_scaling_factor``;
-* :func:`softmax_scaled`: softmax top-k renormalised, then times a scaling factor;
-* :func:`phimoe_sparse_mixer`: PhiMoE's sparse mixer (two rounds of a masked softmax with a
-  jitter threshold, the second with the first choice masked out).
+* :func:`sigmoid_topk` (fuses): Llama4-style sigmoid of the top-k logits weighting the outputs;
+* :func:`llama4_prescaled` (refused): Llama4 as its code reads: the sigmoid of the top-1 logit
+  scales the token before the expert (not a weighted sum of expert outputs);
+* :func:`deepseek_v3` (fuses): sigmoid scores, ``e_score_correction_bias`` for the selection
+  only, group-limited top-k (top-2 sum per group, top groups, masked scores), weights gathered
+  from the unbiased scores, renormalised and multiplied by ``routed_scaling_factor``;
+* :func:`softmax_scaled` (fuses): softmax top-k renormalised, then times a scaling factor;
+* :func:`phimoe_sparse_mixer` (refused): PhiMoE's sparse mixer (two rounds of a masked softmax
+  with a jitter threshold, the second with the first choice masked out: no single TopK).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from onnx_moe_fuse.samples.handwritten_graph import Graph, HandwrittenLayer, Refused, normal
+from onnx_moe_fuse.samples.handwritten_graph import Fused, Graph, HandwrittenLayer, Refused, normal
 
 __all__ = [
+    "routed_experts",
     "sigmoid_topk",
     "llama4_prescaled",
     "deepseek_v3",
@@ -39,7 +41,7 @@ SOFTMAX_SCALING = 1.75
 PHIMOE_JITTER = 0.01
 
 
-def _experts(
+def routed_experts(
     g: Graph,
     rng: np.random.Generator,
     x: str,
@@ -86,6 +88,12 @@ def _finish(g: Graph, h: int, description: str, router: str, reason: str) -> Han
     return HandwrittenLayer(g.model(21), description, Refused(router, reason))
 
 
+def _fused(g: Graph, h: int, description: str, k: int) -> HandwrittenLayer:
+    """A top-k selection with per-selected non-negative weights: one MoE node, router kept."""
+    g.output("y", ["T", h])
+    return HandwrittenLayer(g.model(21), description, Fused("MoE", {"k": k}))
+
+
 def sigmoid_topk(seed: int = 50) -> HandwrittenLayer:
     """Llama4-style: top-k of the logits, weights ``Sigmoid`` of the k selected logits."""
     rng = np.random.default_rng(seed)
@@ -97,8 +105,8 @@ def sigmoid_topk(seed: int = 50) -> HandwrittenLayer:
         "TopK", [logits, g.init("top_k", [k])], ["top_logits", "top_ids"], axis=-1
     )
     weights = g.op("Sigmoid", [vals], "router_scores")
-    _experts(g, rng, x, idx, weights, (h, i, e, k))
-    return _finish(g, h, "Llama4-style sigmoid of the top-k logits", "router_scores", "sigmoid")
+    routed_experts(g, rng, x, idx, weights, (h, i, e, k))
+    return _fused(g, h, "Llama4-style sigmoid of the top-k logits weighting the outputs", k)
 
 
 def llama4_prescaled(seed: int = 54) -> HandwrittenLayer:
@@ -112,7 +120,7 @@ def llama4_prescaled(seed: int = 54) -> HandwrittenLayer:
         "TopK", [logits, g.init("top_k", [k])], ["top_logits", "top_ids"], axis=-1
     )
     scores = g.op("Sigmoid", [vals], "router_scores")
-    _experts(g, rng, x, idx, scores, (h, i, e, k), prescale=True)
+    routed_experts(g, rng, x, idx, scores, (h, i, e, k), prescale=True)
     return _finish(
         g,
         h,
@@ -170,14 +178,13 @@ def deepseek_v3(seed: int = 51) -> HandwrittenLayer:
         [normed, g.init("routed_scaling_factor", np.array(DEEPSEEK_SCALING, np.float32))],
         "topk_weight",
     )
-    _experts(g, rng, x, idx, weights, (h, i, e, k))
-    return _finish(
+    routed_experts(g, rng, x, idx, weights, (h, i, e, k))
+    return _fused(
         g,
         h,
         "DeepSeek-V3 router: sigmoid, e_score_correction_bias selection, "
         "group-limited top-k, routed_scaling_factor",
-        "gate_sigmoid_scores",
-        "sigmoid",
+        k,
     )
 
 
@@ -200,14 +207,8 @@ def softmax_scaled(seed: int = 52) -> HandwrittenLayer:
         [normed, g.init("scaling_factor", np.array(SOFTMAX_SCALING, np.float32))],
         "scaled_routing_weights",
     )
-    _experts(g, rng, x, idx, weights, (h, i, e, k))
-    return _finish(
-        g,
-        h,
-        f"softmax top-k renormalised, times a scaling factor {SOFTMAX_SCALING}",
-        "scaled_routing_weights",
-        "scaling factor",
-    )
+    routed_experts(g, rng, x, idx, weights, (h, i, e, k))
+    return _fused(g, h, f"softmax top-k renormalised, times a scaling factor {SOFTMAX_SCALING}", k)
 
 
 def _mixer_round(g: Graph, scores: str, logits: str, p: str) -> tuple[str, str]:
@@ -244,7 +245,7 @@ def phimoe_sparse_mixer(seed: int = 53) -> HandwrittenLayer:
     w2, c2 = _mixer_round(g, second, logits, "r2_")
     weights = g.op("Concat", [w1, w2], "multiplier", axis=1)
     idx = g.op("Concat", [c1, c2], "selected_experts", axis=1)
-    _experts(g, rng, x, idx, weights, (h, i, e, k))
+    routed_experts(g, rng, x, idx, weights, (h, i, e, k))
     return _finish(
         g,
         h,

@@ -199,6 +199,14 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
     if op in ELEMENTWISE_BINARY or op in _COMPARISONS:
         second = value_dims(ins[1], depth, memo) if len(ins) > 1 else None
         return None if second is None else broadcast_dims(first, second, value)
+    if op == "GatherElements" and len(ins) > 1:  # the output has the indices' shape
+        return value_dims(ins[1], depth, memo)
+    if op == "Where" and len(ins) == 3:  # the broadcast of the condition and both branches
+        dims = first
+        for other in ins[1:]:
+            more = value_dims(other, depth, memo) if other is not None else None
+            dims = None if more is None or dims is None else broadcast_dims(dims, more, value)
+        return dims
     if op in _REDUCTIONS:
         return reduced_dims(node, first)
     if op == "OneHot":

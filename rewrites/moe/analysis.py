@@ -54,6 +54,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 from onnx_moe_fuse.rewrites.moe.activation_proof import (
     elementwise_activation,
     gate_up_columns,
@@ -67,12 +68,14 @@ from onnx_moe_fuse.rewrites.moe.plan import (
     LayerPlan,
     bound_node,
 )
+from onnx_moe_fuse.rewrites.moe.routing_construction import value_refusal
 from onnx_moe_fuse.rewrites.moe.routing_proof import (
     Routing,
     combine_step,
     routing_form,
     token_rank,
 )
+from onnx_moe_fuse.rewrites.moe.selected_weights import prove_selected_weights
 from onnx_moe_fuse.rewrites.moe.weights_proof import (
     WEIGHT_LAYOUTS,
     expert,
@@ -191,13 +194,21 @@ def finish_layer(
             )
     with part("routing"):
         _router_width(routing, e, k)
-        _router_rows(routing.router_probs, tokens, hidden)
+        if not routing.selected:
+            _router_rows(routing.router_probs, tokens, hidden)
         if matched is not None and routing.internal_scores is not None:
             _router_scores_stay_inside(routing)
     with part("activation"):
         activation, columns, (alpha, beta, limit) = _activation(b, family, fc1, fc2, fc1_last_axis)
     with part("target"):
         op, bits, block = _target(b, routing, activation, fc1, fc2, emit, hidden, inter)
+    if op == "QMoE" and routing.normalize != 1 and not routing.selected:
+        # QMoE always renormalises its own softmax: weights used as they are go in as the
+        # selection and its weights (router_weights, or log-weights and a rescale)
+        routing = routing.as_selected(b["routing_weights"])
+    if routing.selected:
+        with part("routing"):
+            _selected_routing(routing, tokens, root, e)
     with part("region"):
         if matched is not None:
             _weights_stay_inside(fc1, fc2, matched)
@@ -211,6 +222,9 @@ def finish_layer(
         op=op,
         root=root,
         topk=routing.topk,
+        selection=routing.topk.outputs[1] if routing.selected else None,
+        selected_weights=routing.weights,
+        weights_sum_to_one=routing.sums_to_one,
         tokens=tokens,
         router_probs=routing.router_probs,
         rank=r,
@@ -249,6 +263,9 @@ def _same_experts(fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights) -> None:
 
 def _router_width(routing: Routing, e: int, k: int) -> None:
     router_e = static_last_dim(routing.router_probs)
+    if router_e is None and routing.selected:
+        dims = value_dims(routing.router_probs)
+        router_e = dims[-1].coef if dims and not dims[-1].syms else None
     if router_e is None:
         raise Refusal(
             f"cannot prove that the router '{value_label(routing.router_probs)}' produces "
@@ -367,6 +384,35 @@ def _router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
     )
 
 
+def _selected_routing(routing: Routing, tokens: ir.Value, root: ir.Node, num_experts: int) -> None:
+    """The router-agnostic routing: the selection and its weights are each token's own."""
+    topk = routing.topk
+    weights = routing.weights
+    assert weights is not None
+    opset = default_opset(root.graph)
+    if opset < 15:
+        raise Refusal(
+            f"the router is fed as its selection and weights, which needs opset >= 15 (the "
+            f"graph has {opset})",
+            topk,
+        )
+    if weights.dtype not in (None, ir.DataType.FLOAT):
+        raise Refusal(
+            f"the routing weights '{value_label(weights)}' are {weights.dtype.name.lower()}: "
+            "this version fuses float32 layers only",
+            weights,
+        )
+    scores = topk.inputs[0]
+    dims = value_dims(scores)
+    rank = len(dims) if dims is not None else static_rank(scores)
+    if scores is None or rank is None:
+        raise Refusal(f"the rank of what TopK '{label(topk)}' selects from is unknown", topk)
+    prove_selected_weights(weights, topk, tokens, rank - 1)
+    reason = value_refusal(topk.outputs[1], weights, num_experts)
+    if reason is not None:  # what the construction needs of the graph values (dtypes, shapes)
+        raise Refusal(f"the selection and weights cannot be fed: {reason}", weights)
+
+
 def _router_scores_stay_inside(routing: Routing) -> None:
     """Standalone rules only (the pipeline's splice keeps an escaping router Softmax)."""
     sm = routing.internal_scores
@@ -464,13 +510,6 @@ def _target(
     bits = block = 0
     if op == "QMoE":
         bits, block = granularity(fc1, fc2, hidden, inter)
-        if routing.normalize != 1:
-            raise Refusal(
-                f"routing weights not renormalised (TopK '{label(routing.topk)}' values used as "
-                "they are): only MoE can express this (normalize_routing_weights=0), but the "
-                "expert weights are quantized, which only QMoE takes, and QMoE always renormalises",
-                routing.topk,
-            )
         if activation not in QMOE_ACTIVATIONS:
             raise Refusal(
                 f"QMoE cannot run activation {activation}",

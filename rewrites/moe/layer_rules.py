@@ -39,6 +39,7 @@ from typing import ClassVar
 
 from onnxscript.rewriter import pattern
 
+from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.batched_rules import BATCHED_RULE_CLASSES
 from onnx_moe_fuse.rewrites.moe.parts.combine import SLOT_COMBINES
@@ -100,14 +101,22 @@ def moe_layer_rules(
     probe: bool = False,
     splice: bool = False,
     weight_sink: WeightSink | None = None,
+    target: Target | str = DEFAULT,
 ) -> list[pattern.RewriteRule]:
     """Every layer rule (each class x each of its combine forms), emitting only ``emit``.
 
-    ``probe``, ``splice`` and ``weight_sink``: see :class:`.rule_base.MoELayerRule`.
+    ``probe``, ``splice``, ``weight_sink`` and ``target``: see :class:`.rule_base.MoELayerRule`.
     """
     emit = frozenset(emit)
     return [
-        cls.rule(combine=c, emit=emit, probe=probe, splice=splice, weight_sink=weight_sink)
+        cls.rule(
+            combine=c,
+            emit=emit,
+            probe=probe,
+            splice=splice,
+            weight_sink=weight_sink,
+            target=target,
+        )
         for cls in RULE_CLASSES
         for c in cls.combines
     ]
@@ -119,13 +128,16 @@ def moe_layer_rule_set(
     probe: bool = False,
     splice: bool = False,
     weight_sink: WeightSink | None = None,
+    target: Target | str = DEFAULT,
 ) -> pattern.RewriteRuleSet:
     """A rule set of :func:`moe_layer_rules`.
 
     Used alone it sweeps what a fused layer leaves dead; a ``splice`` set (the pipeline's) never
     does, the pipeline sweeps the original graph after splicing.
     """
-    rules = moe_layer_rules(emit, probe=probe, splice=splice, weight_sink=weight_sink)
+    rules = moe_layer_rules(
+        emit, probe=probe, splice=splice, weight_sink=weight_sink, target=target
+    )
     rule_set = pattern.RewriteRuleSet(rules)
     rule_set.remove_unused_nodes = not splice
     return rule_set

@@ -111,6 +111,11 @@ class LayerPlan:
     bits: int = 0
     block: int = 0
     layer_nodes: tuple[ir.Node, ...] = field(default=())
+    # the router-agnostic routing: the selection TopK's indices and the final weights the
+    # fused node is fed through the routing construction (None: its own softmax routing)
+    selection: ir.Value | None = None
+    selected_weights: ir.Value | None = None
+    weights_sum_to_one: bool = False
 
     @property
     def quantized(self) -> bool:

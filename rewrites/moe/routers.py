@@ -93,10 +93,14 @@ def router_near_miss(topk: ir.Node) -> str | None:
     why = _WHY.get(form.kind)
     if form.fusable or why is None or form.description.startswith(_GROUP_STEP):
         return None
+    if form.kind == "sparse_mixer":
+        return (
+            f"router not fusable ({_HEADS[form.kind]}): {topk.op_type} '{label(topk)}' routes by "
+            f"{form.description}; MoE and QMoE route by one top-k selection, {why}"
+        )
     return (
-        f"router not fusable ({_HEADS[form.kind]}): {topk.op_type} '{label(topk)}' routes by "
-        f"{form.description}; MoE and QMoE route by a softmax over all experts, top-k and an "
-        f"optional renormalisation only, {why}"
+        f"router not fused ({_HEADS[form.kind]}): {topk.op_type} '{label(topk)}' routes by "
+        f"{form.description}; {why}"
     )
 
 
@@ -109,18 +113,22 @@ _HEADS = {
     "scaled": "scaling factor",
     "sparse_mixer": "sparse mixer",
 }
-_LATER = "which a later version will emit"
+#: A router of these kinds fuses (fed as its selection and weights) when its weights multiply
+#: the expert outputs; a near miss for a TopK no layer rule matched says what is missing.
+_SELECTED = (
+    "the fused node takes any top-k selection whose per-selected non-negative weights multiply "
+    "the expert outputs (the router kept as written), but no layer rule matched around this "
+    "TopK: its weights do not multiply the outputs of experts chosen by its indices (they scale "
+    "the expert input, or the experts are not recognised)"
+)
 _WHY = {
-    "sigmoid_topk": "so sigmoid routing needs router_weights / sigmoid gating, " + _LATER,
-    "topk_sigmoid": "so sigmoid routing needs router_weights / sigmoid gating, " + _LATER,
-    "biased_selection": "and select and weight by the same scores; selecting by biased scores "
-    "and weighting by unbiased ones needs router_weights, " + _LATER,
-    "group_limited_topk": "with no group-limited top-k; it needs the group-masked choice as "
-    "router_probs and the weights as router_weights, " + _LATER,
-    "scaled": "with no factor on the weights; a scaling factor needs router_weights holding the "
-    "scaled weights, " + _LATER,
-    "sparse_mixer": "while the sparse mixer weighs each choice by its own masked softmax, which "
-    "no MoE normalisation computes; it needs router_weights, " + _LATER,
+    "sigmoid_topk": _SELECTED,
+    "topk_sigmoid": _SELECTED,
+    "biased_selection": _SELECTED,
+    "group_limited_topk": _SELECTED,
+    "scaled": _SELECTED,
+    "sparse_mixer": "while the sparse mixer chooses each expert by its own ArgMax round and "
+    "weighs it by its own masked softmax: there is no single TopK selection to feed",
 }
 
 

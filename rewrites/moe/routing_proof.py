@@ -25,6 +25,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import lead_dims
+from onnx_moe_fuse.rewrites.moe.parts.routing import SELECTED
 from onnx_moe_fuse.rewrites.moe.plan import (
     bound_node,
     is_last_axis,
@@ -68,13 +69,30 @@ def token_rank(b: Mapping[str, Any]) -> int:
 
 @dataclass(frozen=True)
 class Routing:
-    """The proved routing: the TopK, k, what MoE/QMoE read as router_probs, the normalisation."""
+    """The proved routing: the TopK, k, what MoE/QMoE read as router_probs, the normalisation.
+
+    ``weights`` is set for the router-agnostic routing (``selected``): the fused node is fed
+    the selection's indices and these final weights through the routing construction
+    (:mod:`.routing_construction`), the router staying in the graph; ``router_probs`` is then
+    the scores the selection TopK reads (for the width check), not a fused input.
+    """
 
     topk: ir.Node
     k: int
     router_probs: ir.Value
     normalize: int
     internal_scores: ir.Node | None  # the Softmax that becomes part of the fused node
+    weights: ir.Value | None = None
+    sums_to_one: bool = False
+
+    @property
+    def selected(self) -> bool:
+        """True for the router-agnostic routing (fed through the routing construction)."""
+        return self.weights is not None
+
+    def as_selected(self, weights: ir.Value) -> Routing:
+        """This routing fed as its selection and final ``weights`` (the combine's)."""
+        return Routing(self.topk, self.k, self.topk.inputs[0], 0, None, weights)  # type: ignore[arg-type]
 
 
 def routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
@@ -84,6 +102,20 @@ def routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
 
 
 def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
+    topk, k = _selection(b, r)
+    weights: ir.Value = b["routing_weights"]
+    if b.get("weight_form") == SELECTED:
+        return Routing(topk, k, b["router_scores"], 0, None, weights)
+    try:
+        return _softmax_routing(b, r, opset, topk, k)
+    except Refusal:
+        # not what MoE/QMoE's own softmax computes: fed as its selection and weights instead,
+        # which the layer proof checks (moe.selected_weights) and refuses in its own words
+        return Routing(topk, k, b["router_scores"], 0, None, weights)
+
+
+def _selection(b: Mapping[str, Any], r: int) -> tuple[ir.Node, int]:
+    """The routing TopK over the experts (last axis, largest, constant k) and its k."""
     topk_values: ir.Value = b["topk_values"]
     topk = topk_values.producer()
     assert topk is not None
@@ -100,8 +132,11 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
     k_values = const_ints(b.get("topk_k"))
     if not k_values or len(k_values) != 1 or k_values[0] < 1:
         raise Refusal(f"TopK '{label(topk)}' has no constant k >= 1", topk)
-    k = k_values[0]
+    return topk, k_values[0]
 
+
+def _softmax_routing(b: Mapping[str, Any], r: int, opset: int, topk: ir.Node, k: int) -> Routing:
+    """The routing forms MoE/QMoE compute themselves from the router logits."""
     scores: ir.Value = b["router_scores"]
     producer = scores.producer()
     form = b.get("weight_form")
@@ -113,7 +148,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
             )
         # Softmax over the k selected scores == MoE/QMoE's top-k of router_probs with the k
         # weights renormalised, whatever produced the scores.
-        return Routing(topk, k, scores, 1, None)
+        return Routing(topk, k, scores, 1, None, sums_to_one=True)
 
     if producer is not None and producer.op_type == "Sigmoid":
         raise Refusal(
@@ -145,7 +180,7 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
             )
         if attr_int(s, "keepdims", 1) != 1:
             raise Refusal(f"ReduceSum '{label(s)}' drops the summed axis (keepdims=0)", s)
-        return Routing(topk, k, logits, 1, producer)
+        return Routing(topk, k, logits, 1, producer, sums_to_one=True)
     if form == "as_is":
         return Routing(topk, k, logits, 0, producer)
     raise Refusal(f"unknown routing form {form!r}", topk)

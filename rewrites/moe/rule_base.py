@@ -31,6 +31,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import _basics, pattern
 
 from onnx_moe_fuse.contract.ops import CONTRIB_OPS, MOE, MS_DOMAIN, QMOE
+from onnx_moe_fuse.contract.targets import DEFAULT, Target, as_target
+from onnx_moe_fuse.rewrites.graph.facts import default_opset
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 from onnx_moe_fuse.rewrites.moe.analysis import LayerPlan, analyse_layer
@@ -40,6 +42,7 @@ from onnx_moe_fuse.rewrites.moe.parts.combine import combine_pattern
 from onnx_moe_fuse.rewrites.moe.parts.facts import LayerParts
 from onnx_moe_fuse.rewrites.moe.parts.layer import escaping_value, recognise_layer
 from onnx_moe_fuse.rewrites.moe.parts.routing import routing_pattern
+from onnx_moe_fuse.rewrites.moe.routing_construction import build_routing, construction_for
 from onnx_moe_fuse.rewrites.moe.rows_analysis import analyse_rows_layer
 
 __all__ = [
@@ -62,6 +65,10 @@ REPLACED_KEY = "onnx_moe_fuse.replaced"
 #: Node metadata keys naming the value a fused node replaces and its routing TopK's first output.
 LAYER_OUT_KEY = "onnx_moe_fuse.layer_out"
 TOPK_KEY = "onnx_moe_fuse.topk"
+#: Node metadata key: the routing construction a fused node is fed by ("router_weights" or
+#: "logits"; absent for its own softmax routing), and whether a ``Mul`` after it rescales.
+ROUTING_KEY = "onnx_moe_fuse.routing"
+RESCALED_KEY = "onnx_moe_fuse.rescaled"
 
 
 def var(name: str, optional: bool = False) -> pattern.Var:
@@ -75,6 +82,7 @@ def var(name: str, optional: bool = False) -> pattern.Var:
 def _layer_nodes(plan: LayerPlan) -> list[ir.Node]:
     """The nodes the fused node replaces, in graph order (walked back from the layer output)."""
     stop = {id(plan.tokens), id(plan.router_probs)}
+    stop.update(id(v) for v in (plan.selection, plan.selected_weights) if v is not None)
     seen: dict[int, ir.Node] = {}
     todo = [plan.root]
     while todo:
@@ -149,6 +157,7 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         probe: bool = False,
         splice: bool = False,
         weight_sink: WeightSink | None = None,
+        target: Target | str = DEFAULT,
     ) -> None:
         """Configure the rule: which combine form it anchors at, which ops it may emit.
 
@@ -166,7 +175,8 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         left dead, for a dead-code pass (the pipeline's, or the rule set's own when alone).
 
         ``weight_sink`` stores each repacked array as an initializer's tensor
-        (:mod:`.weight_sink`; default in memory).
+        (:mod:`.weight_sink`; default in memory). ``target`` picks the routing construction
+        of a layer fed as its selection and weights (:func:`.routing_construction.construction_for`).
         """
         combine = self.combines[0] if combine is None else combine
         if combine not in self.combines:
@@ -181,19 +191,24 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         self._probe = probe
         self._splice = splice
         self._weight_sink = in_memory if weight_sink is None else weight_sink
+        self._target = as_target(target)
 
     def pattern(self, op):
-        """The combine form of this rule, weighted by the values of a routing TopK."""
-        weights, _ = routing_pattern(op)
-        return combine_pattern(op, self._combine_form, var("expert_out"), weights)
+        """The combine form of this rule, weighted by any weights (``check`` finds the TopK)."""
+        return combine_pattern(op, self._combine_form, var("expert_out"), var("routing_weights"))
 
     def _plan(self, bindings: dict[str, Any]) -> LayerPlan:
         """Recognise the layer's parts and prove them (a pure function of the graph)."""
         root = bindings["layer_out"].producer()
         parts = recognise_layer(root, self._combine_form, FAMILIES)
-        plan = prove_layer(
-            parts, combine=self._combine_form, emit=self._emit, standalone=not self._splice
-        )
+        try:
+            plan = prove_layer(
+                parts, combine=self._combine_form, emit=self._emit, standalone=not self._splice
+            )
+        except Refusal as refusal:
+            if refusal.topk is None:  # the layer's TopK, for the near miss
+                refusal.topk = parts.routing.topk
+            raise
         if parts.family != self.family:
             # another rule of this combine fuses it; failing with the same words as that rule
             # would on a refusal keeps one near miss per layer (the proof above raised it)
@@ -218,7 +233,7 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
     def rewrite(self, op, **bindings):
         """Emit one ``com.microsoft.MoE``/``QMoE`` node (weights repacked, attributes explicit)."""
         if self._probe:
-            return op.Identity(bindings["topk_values"])
+            return op.Identity(bindings["expert_out"])
         plan = self._plan(bindings)
         arrays = fused_arrays(plan)
         graph = plan.root.graph
@@ -233,23 +248,51 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
             name = _fresh_name(graph, f"{base}.{suffix}")
             return op.initializer(self._weight_sink(array, name), name=name)
 
-        router = plan.router_probs
-        if plan.rank != 2:
-            shape = op.Constant(value=ir.tensor(np.array([-1, plan.num_experts], dtype=np.int64)))
-            router = op.Reshape(router, shape)
         fused_op = CONTRIB_OPS[plan.op]
-        values = {"input": plan.tokens, "router_probs": router}
+        attributes = plan.attributes()
+        routing = None
+        if plan.selection is not None:
+            assert plan.selected_weights is not None
+            construction = construction_for(plan.op, self._target)
+            routing = build_routing(
+                op,
+                plan.selection,
+                plan.selected_weights,
+                plan.num_experts,
+                construction,
+                # the target step fuses float32 layers only (tokens float32 or undeclared,
+                # weights checked in the routing proof): the routing is float32 too
+                dtype=ir.DataType.FLOAT,
+                weights_sum_to_one=plan.weights_sum_to_one,
+                rank=plan.rank,
+                opset=default_opset(graph),
+            )
+            values: dict[str, ir.Value | None] = {"input": plan.tokens, **routing.inputs()}
+            attributes.update(routing.attributes())
+        else:
+            router = plan.router_probs
+            if plan.rank != 2:
+                shape = op.Constant(
+                    value=ir.tensor(np.array([-1, plan.num_experts], dtype=np.int64))
+                )
+                router = op.Reshape(router, shape)
+            values = {"input": plan.tokens, "router_probs": router}
         values.update((name, const(name, array)) for name, array in arrays.by_input().items())
         inputs = fused_op.input_list(values)
-        out = op.op(
+        fused = op.op(
             fused_op.name,
             *inputs,
             _domain=fused_op.domain,
             _name=f"{base}/{plan.op}",
-            **plan.attributes(),
+            **attributes,
         )
+        out = fused if routing is None else routing.rescaled(op, fused)
         replaced = [n.name or f"{n.op_type}({n.outputs[0].name})" for n in _layer_nodes(plan)]
-        meta = out.producer().metadata_props
+        meta = fused.producer().metadata_props
+        if routing is not None:
+            meta[ROUTING_KEY] = routing.construction
+            if routing.scale is not None:
+                meta[RESCALED_KEY] = "1"
         meta[REPLACED_KEY] = json.dumps(replaced)
         # for the pipeline's splice: a splice rule keeps the matched nodes, so the rewriter
         # gives the fused output a fresh name; these name what it replaces and its router

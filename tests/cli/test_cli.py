@@ -47,11 +47,11 @@ def test_fuses_verifies_and_reports(device, tmp_path, capsys):
 
 
 def test_explain_lists_near_misses_and_leaves_the_model_unchanged(tmp_path, capsys):
-    src = _save(tmp_path, "nearmiss_sigmoid_routing_dec_int4b32")
+    src = _save(tmp_path, "nearmiss_erf_gelu_dec_f32")
     out = tmp_path / "out.onnx"
     assert main([str(src), "-o", str(out), "--explain"]) == EXIT_OK
     text = capsys.readouterr().out
-    assert "nothing fused" in text and "sigmoid routing" in text.lower()
+    assert "nothing fused" in text and "gelu" in text.lower()
     assert onnx.load(out).graph == onnx.load(src).graph
 
 
@@ -128,3 +128,16 @@ def test_console_script_demo(device, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verification PASSED" in done.stdout
     assert np.any([n.op_type == "QMoE" for n in onnx.load(out).graph.node])
+
+
+def test_explain_says_which_routing_construction_feeds_the_node(tmp_path, capsys):
+    src = _save(tmp_path, "sigmoid_dec_int4b32")
+    out = tmp_path / "out.onnx"
+    report = tmp_path / "r.json"
+    assert main([str(src), "-o", str(out), "--explain", "--report", str(report)]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "routing: router_weights construction, the output rescaled per token" in text
+    assert "stays in the graph" in text
+    (fusion,) = json.loads(report.read_text())["fusions"]
+    assert fusion["routing"]["construction"] == "router_weights"
+    assert fusion["routing"]["router"] == "sigmoid_topk"

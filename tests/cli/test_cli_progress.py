@@ -66,7 +66,7 @@ def test_a_subprocess_with_piped_stderr_prints_stage_lines(tmp_path):
 
 
 def test_a_nothing_fused_run_says_so(tmp_path):
-    src = save_sample(tmp_path, "nearmiss_sigmoid_routing_dec_int4b32", file_name="m.onnx")
+    src = save_sample(tmp_path, "nearmiss_erf_gelu_dec_f32", file_name="m.onnx")
     code, _, err = run_cli([src, "-o", tmp_path / "o.onnx"])
     assert code == EXIT_OK
     assert any(line.startswith("fuse: 0 layers fused in ") for line in _stage_lines(err))

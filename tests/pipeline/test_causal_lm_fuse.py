@@ -28,7 +28,7 @@ INDEX = json.loads((CAUSAL / "index.json").read_text())["models"]
 RECORDS = {m["name"]: json.loads((CAUSAL / f"{m['name']}.json").read_text()) for m in INDEX}
 RTOL = 1e-4
 #: words a near miss must hold for each kind of recorded refusal
-REFUSAL_WORDS = {"router": ("router not fusable",), "dtype": ("float16",)}
+REFUSAL_WORDS = {"router": ("router not fus",), "dtype": ("float16",)}
 
 
 def _refusals(record: dict) -> collections.Counter[str]:

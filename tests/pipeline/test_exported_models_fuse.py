@@ -367,9 +367,19 @@ def test_int4_blocked_along_output_axis_refused() -> None:
     refused(quantized(with_inter(load("mixtral_batched_mm"), 32), along_input=False), "axis 2 of")
 
 
-def test_int4_unnormalised_routing_refused() -> None:
-    """Qwen2-MoE's top-k weights are used as they are: MoE only, and MoE takes no int4."""
-    refused(quantized(with_inter(load("qwen2_moe_batched_mm"), 32)), "not renormalised")
+def test_int4_unnormalised_routing_fuses_through_router_weights() -> None:
+    """Qwen2-MoE's top-k weights used as they are, int4 experts: QMoE fed router_weights.
+
+    QMoE renormalises its own softmax, so the weights go in through the routing construction
+    (ORT CPU: router_weights, normalize_routing_weights=0, and a per-token rescale).
+    """
+    m = quantized(with_inter(load("qwen2_moe_batched_mm"), 32))
+    result = fuse(m)
+    assert [f["op"] for f in result.report.fusions] == ["QMoE"], result.report.near_misses
+    (fusion,) = result.report.fusions
+    assert fusion["routing"]["construction"] == "router_weights"
+    assert fusion["attributes"]["normalize_routing_weights"] == 0
+    assert_matches_reference(m, result.model)
 
 
 # -- other spellings of the flattened-rows layout ------------------------------------------------

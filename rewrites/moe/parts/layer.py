@@ -26,15 +26,17 @@ from onnx_moe_fuse.rewrites.moe.parts.activation import (
 from onnx_moe_fuse.rewrites.moe.parts.combine import recognise_combine
 from onnx_moe_fuse.rewrites.moe.parts.facts import (
     ActivationFact,
+    CombineFact,
     LayerParts,
     ProjectionFact,
+    RoutingFact,
 )
 from onnx_moe_fuse.rewrites.moe.parts.projections import (
     recognise_fc2,
     recognise_projection,
     recognise_token_rows,
 )
-from onnx_moe_fuse.rewrites.moe.parts.routing import recognise_routing
+from onnx_moe_fuse.rewrites.moe.parts.routing import recognise_routing, selected_routing
 
 __all__ = ["FC1_TAGS", "escaping_value", "recognise_layer"]
 
@@ -69,7 +71,28 @@ def recognise_layer(
 ) -> LayerParts:
     """The layer whose combine ends at ``root`` (in ``combine_form``, or any form)."""
     combine = recognise_combine(root, combine_form)
-    routing = recognise_routing(combine.weights)
+    try:
+        routing = recognise_routing(combine.weights)
+    except Refusal as not_topk_values:
+        # weights made some other way (gathered scores, a routing factor): the selection is
+        # the TopK whose indices FC2 gathers its experts by; its proof is the weights' walk
+        try:
+            fc2, _, _ = recognise_fc2(combine.expert_out, combine.reads_rows)
+        except Refusal:
+            raise not_topk_values from None
+        routing = selected_routing(combine.weights, fc2.indices, not_topk_values)
+    try:
+        return _parts_after_routing(combine, routing, families)
+    except Refusal as refusal:
+        if refusal.topk is None:  # the layer's TopK, for the near miss
+            refusal.topk = routing.topk
+        raise
+
+
+def _parts_after_routing(
+    combine: CombineFact, routing: RoutingFact, families: tuple[str, ...]
+) -> LayerParts:
+    """FC2, the activation and FC1 of the layer whose combine and routing are recognised."""
     fc2, extra, extra_nodes = recognise_fc2(combine.expert_out, combine.reads_rows)
     source = "rows" if fc2.layout == "rows" else "tokens"
     activation, fc1 = _activation_and_fc1(fc2.input, source, families)

@@ -26,10 +26,13 @@ from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellin
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, half_precision
 
-__all__ = ["WEIGHT_FORMS", "recognise_routing", "routing_pattern"]
+__all__ = ["SELECTED", "WEIGHT_FORMS", "recognise_routing", "routing_pattern", "selected_routing"]
 
 #: The weight forms, in the order they are tried.
 WEIGHT_FORMS = ("renorm_div", "renorm_reciprocal", "softmax_k", "as_is")
+#: The form of weights made otherwise from the selection (``moe.selected_weights`` proves them).
+SELECTED = "selected"
+_INDEX_LAYOUT = ("Cast", "Identity", "Reshape", "Flatten", "Unsqueeze", "Squeeze")
 
 
 def _var(name: str, optional: bool = False) -> pattern.Var:
@@ -129,6 +132,43 @@ def recognise_routing(weights: ir.Value) -> RoutingFact:
     form, match = found
     topk = match.bindings["topk_values"].producer()
     return _fact(topk, weights, form, match.nodes, match.bindings)
+
+
+def _selection_topk(indices: ir.Value | None) -> ir.Node | None:
+    """The TopK whose indices (output 1) ``indices`` is, up to casts and reshapes."""
+    for _ in range(8):
+        if indices is None:
+            return None
+        node = indices.producer()
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type == "TopK":
+            return node if indices is node.outputs[1] else None
+        if node.op_type not in _INDEX_LAYOUT or not node.inputs:
+            return None
+        indices = node.inputs[0]
+    return None
+
+
+def selected_routing(
+    weights: ir.Value, expert_ids: ir.Value | None, refusal: Refusal
+) -> RoutingFact:
+    """Routing whose weights are not a TopK's values: the TopK behind FC2's ``expert_ids``.
+
+    The weights stay as the model computes them (form :data:`SELECTED`); what they are is
+    proved later (``moe.selected_weights``). ``refusal`` (why the weights are no TopK values
+    form) is raised when FC2's experts are not chosen by a TopK either.
+    """
+    topk = _selection_topk(expert_ids)
+    if topk is None:
+        raise refusal
+    b = {
+        "router_scores": topk.inputs[0],
+        "topk_k": topk.inputs[1] if len(topk.inputs) > 1 else None,
+        "topk_values": topk.outputs[0],
+        "topk_indices": topk.outputs[1],
+    }
+    return _fact(topk, weights, SELECTED, (), b)
 
 
 def _fact(topk: ir.Node, weights: ir.Value, form: str, nodes: tuple, bindings: dict) -> RoutingFact:

@@ -269,7 +269,7 @@ def test_softmax_of_the_topk_values_over_tokens_named_by_the_rules() -> None:
     result = fuse(model)
     assert not result.report.fusions and result.model.SerializeToString() == source
     (miss,) = [m for m in result.report.near_misses if "Softmax" in m["reason"]]
-    assert miss["part"] == "routing" and "not over the k axis" in miss["reason"], miss
+    assert miss["part"] == "routing" and "not over the k slots" in miss["reason"], miss
 
 
 def test_proved_layer_has_no_refusal() -> None:

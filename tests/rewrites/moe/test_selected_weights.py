@@ -1,0 +1,185 @@
+"""The proofs behind the router-agnostic routing: token rows, per-slot weights, non-negativity.
+
+Each graph is a small router written with onnx.helper; the proofs run on its onnx-ir form. A
+proof passes silently or raises a ``Refusal`` of part ``routing`` naming the node that departs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.moe.selected_weights import nonnegative, prove_selected_weights
+from onnx_moe_fuse.rewrites.moe.token_rows import prove_token_rows
+
+H, E, K = 8, 6, 2
+
+
+def _model(nodes: list, inits: dict[str, np.ndarray], rank: int = 2) -> ir.Model:
+    shape = ["T", H] if rank == 2 else ["B", "S", H]
+    tensors = [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()]
+    tensors.append(numpy_helper.from_array(np.full((H, E), 0.1, np.float32), "W"))
+    tensors.append(numpy_helper.from_array(np.array([K], np.int64), "k"))
+    graph = helper.make_graph(
+        nodes,
+        "router",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("w", TensorProto.FLOAT, None)],
+        initializer=tensors,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model = onnx.shape_inference.infer_shapes(model)
+    return ir.serde.deserialize_model(model)
+
+
+def _values(model: ir.Model) -> dict[str, ir.Value]:
+    out = {v.name: v for v in model.graph.inputs}
+    for node in model.graph:
+        out.update((v.name, v) for v in node.outputs)
+    return out
+
+
+def _topk(model: ir.Model, name: str = "sel") -> ir.Node:
+    return next(n for n in model.graph if n.op_type == "TopK" and n.name == name)
+
+
+ROUTER = [helper.make_node("MatMul", ["x", "W"], ["logits"])]
+SELECT = [helper.make_node("TopK", ["scores", "k"], ["vals", "idx"], name="sel")]
+
+
+def _prove_weights(nodes: list, inits: dict | None = None, rank: int = 2) -> None:
+    model = _model(ROUTER + nodes, inits or {}, rank)
+    v = _values(model)
+    prove_selected_weights(v["w"], _topk(model), v["x"], rank - 1)
+
+
+def test_sigmoid_topk_renormalised_and_scaled_is_per_selected() -> None:
+    _prove_weights(
+        [
+            helper.make_node("Sigmoid", ["logits"], ["scores"]),
+            *SELECT,
+            helper.make_node("ReduceSum", ["vals", "ax"], ["total"], keepdims=1),
+            helper.make_node("Div", ["vals", "total"], ["norm"]),
+            helper.make_node("Mul", ["norm", "factor"], ["w"]),
+        ],
+        {"ax": np.array([-1], np.int64), "factor": np.array(2.5, np.float32)},
+    )
+
+
+def test_weights_gathered_at_the_selection_from_unbiased_scores() -> None:
+    _prove_weights(
+        [
+            helper.make_node("Sigmoid", ["logits"], ["probs"]),
+            helper.make_node("Add", ["probs", "bias"], ["scores"]),
+            *SELECT,
+            helper.make_node("GatherElements", ["probs", "idx"], ["w"], axis=1),
+        ],
+        {"bias": np.linspace(-0.1, 0.1, E).astype(np.float32)},
+    )
+
+
+def test_rank3_tokens_flattened_before_the_router() -> None:
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W"], ["logits2"]),
+        helper.make_node("Softmax", ["logits2"], ["scores"], axis=-1),
+        *SELECT,
+        helper.make_node("Identity", ["vals"], ["w"]),
+    ]
+    model = _model(nodes, {"flat": np.array([-1, H], np.int64)}, rank=3)
+    v = _values(model)
+    prove_selected_weights(v["w"], _topk(model), v["x"], 1)
+
+
+@pytest.mark.parametrize(
+    "nodes, inits, words",
+    [
+        (  # weights gathered at the experts of another TopK
+            [
+                helper.make_node("Sigmoid", ["logits"], ["scores"]),
+                *SELECT,
+                helper.make_node("Neg", ["scores"], ["other"]),
+                helper.make_node("TopK", ["other", "k"], ["ov", "oidx"], name="other"),
+                helper.make_node("GatherElements", ["scores", "oidx"], ["w"], axis=1),
+            ],
+            {},
+            "not at the experts",
+        ),
+        (  # a Softmax over the tokens
+            [
+                helper.make_node("Softmax", ["logits"], ["scores"], axis=0),
+                *SELECT,
+                helper.make_node("Identity", ["vals"], ["w"]),
+            ],
+            {},
+            "token axis",
+        ),
+        (  # raw logits may be negative
+            [
+                helper.make_node("Identity", ["logits"], ["scores"]),
+                *SELECT,
+                helper.make_node("Identity", ["vals"], ["w"]),
+            ],
+            {},
+            "negative",
+        ),  # fmt: skip
+        (  # the values of the selection minus a constant
+            [
+                helper.make_node("Sigmoid", ["logits"], ["scores"]),
+                *SELECT,
+                helper.make_node("Sub", ["vals", "half"], ["w"]),
+            ],
+            {"half": np.array(0.5, np.float32)},
+            "negative",
+        ),
+        (  # a factor per token from its position among the tokens (a CumSum over them)
+            [
+                helper.make_node("Softmax", ["logits"], ["scores"], axis=-1),
+                *SELECT,
+                helper.make_node("CumSum", ["scores", "zero"], ["running"]),
+                helper.make_node("GatherElements", ["running", "idx"], ["w"], axis=1),
+            ],
+            {"zero": np.array(0, np.int64)},
+            "token axis",
+        ),
+    ],
+    ids=["other_experts", "softmax_over_tokens", "raw_logits", "minus_half", "cumsum_tokens"],
+)
+def test_traps_are_refused_naming_the_node(nodes: list, inits: dict, words: str) -> None:
+    with pytest.raises(Refusal) as refused:
+        _prove_weights(nodes, inits)
+    assert refused.value.part == "routing"
+    assert words in refused.value.reason, refused.value.reason
+    assert refused.value.node is not None or refused.value.value is not None
+
+
+def test_router_reading_another_input_is_refused() -> None:
+    nodes = [
+        helper.make_node("Softmax", ["logits"], ["scores"], axis=-1),
+        helper.make_node("TopK", ["scores", "k"], ["vals", "idx"], name="sel"),
+    ]
+    model = _model(ROUTER + nodes, {})
+    other = ir.Value(name="y")
+    with pytest.raises(Refusal, match="not the token rows"):
+        prove_token_rows(_values(model)["scores"], other, 1, "the selection")
+
+
+@pytest.mark.parametrize(
+    "node, inits, want",
+    [
+        (helper.make_node("Sigmoid", ["logits"], ["w"]), {}, True),
+        (helper.make_node("Relu", ["logits"], ["w"]), {}, True),
+        (helper.make_node("Clip", ["logits", "zero"], ["w"]), {"zero": np.float32(0)}, True),
+        (helper.make_node("Clip", ["logits", "neg"], ["w"]), {"neg": np.float32(-1)}, False),
+        (helper.make_node("Identity", ["logits"], ["w"]), {}, False),
+        (helper.make_node("Max", ["logits", "zero"], ["w"]), {"zero": np.float32(0)}, True),
+    ],
+    ids=["sigmoid", "relu", "clip0", "clip-1", "identity", "max0"],
+)
+def test_nonnegative(node, inits: dict, want: bool) -> None:
+    model = _model([*ROUTER, node], inits)
+    assert nonnegative(_values(model)["w"]) is want
