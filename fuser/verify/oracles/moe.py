@@ -39,7 +39,8 @@ Routing, as measured on ORT 1.32 CPU:
   sum); the shape must be ``[T, E]``. It also skips every selected expert whose final weight is
   ``<= 1e-8``: a zero weight gives the same result either way (unless that expert's output is
   not finite), but a negative or tiny positive one contributes nothing on ORT CPU. This oracle
-  does not model that skip: it computes every selected expert with its weight.
+  does not model that skip: it computes every selected expert with its weight. (Measured: ORT
+  1.32 and 1.30 CPU, and onnxruntime-webgpu 1.27's CPU provider, compute exactly this.)
 * WebGPU (``onnxruntime/contrib_ops/webgpu/moe/qmoe.cc``, ``gate_1token.wgsl.template``):
   older versions refuse ``router_weights`` (NOT_IMPLEMENTED, 02b0534) or, older still, ignore
   input 14 (f79a393); the newest version read takes it with the same weights (``weight / sum`` when normalising,

@@ -1,7 +1,8 @@
 """The QMoE oracle's ``router_weights`` (input 14) against ONNX Runtime's CPU QMoE, and its facts.
 
-ORT 1.32 CPU (measured here; onnxruntime 1.30 and onnxruntime-webgpu 1.27's CPU provider gave the
-same numbers): the top-k of ``router_probs`` selects the experts, the mixing weights are
+ORT 1.32 CPU (measured by these tests; onnxruntime 1.30 and onnxruntime-webgpu 1.27's CPU
+provider gave the same numbers when this was written, so tests/ort_compat.py needs no skip for
+it): the top-k of ``router_probs`` selects the experts, the mixing weights are
 ``router_weights`` at the selected experts, divided by their sum when
 ``normalize_routing_weights=1`` (0 for a zero sum) and used as they are with 0. ORT CPU also
 skips a selected expert whose weight is ``<= 1e-8``; the oracle does not (its docstring says
