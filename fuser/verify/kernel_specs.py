@@ -209,7 +209,6 @@ QMOE = _contrib_spec(
         "fc3_experts_weights": "FC3",
         "fc3_scales": "FC3",
         "fc3_experts_bias": "FC3",
-        "router_weights": "separate router weights",
     },
     droppable={
         "fc1_zero_points": _symmetric_zero_points,

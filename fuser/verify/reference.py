@@ -8,9 +8,9 @@
 * ``com.microsoft.MoE`` -> :func:`onnx_moe_fuse.verify.oracles.moe.moe`
   (:mod:`.reference_moe`);
 * ``com.microsoft.QMoE`` -> :func:`onnx_moe_fuse.verify.oracles.moe.qmoe` (:mod:`.reference_moe`;
-  symmetric weights: zero-point inputs are accepted only when they hold the symmetric point, and
-  FC3, ``router_weights``, sparse mixer and the FP4/FP8 extras are refused with
-  ``NotImplementedError``);
+  symmetric weights: zero-point inputs are accepted only when they hold the symmetric point;
+  ``router_weights`` (input 14) is passed to the oracle; FC3, sparse mixer and the FP4/FP8
+  extras are refused with ``NotImplementedError``);
 * ``com.microsoft.MatMulNBits`` -> a numpy dequantisation (:mod:`.reference_nbits`: 2/4/8 bits,
   packed or float zero points, ``g_idx``, bias; ``accuracy_level`` ignored: the reference is
   exact);

@@ -5,8 +5,9 @@ Each ``OpRun`` reads its node's inputs by name at the positions of
 optional one as None) and its attributes over ORT's defaults from the same contract, then calls
 :func:`onnx_moe_fuse.verify.oracles.moe.moe` or :func:`~onnx_moe_fuse.verify.oracles.moe.qmoe`.
 QMoE takes symmetric weights only: zero-point inputs are accepted when they hold the symmetric
-point; FC3, ``router_weights``, the sparse mixer and the FP4/FP8 extras are refused with
-``NotImplementedError``.
+point; ``router_weights`` (input 14) goes to the oracle (selection by ``router_probs``, mixing
+by the gathered ``router_weights``); FC3, the sparse mixer and the FP4/FP8 extras are refused
+with ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -103,8 +104,6 @@ class QMoE(OpRun):
             raise _refuse("QMoE", "FC3")
         if x["fc3_experts_bias"] is not None:
             raise _refuse("QMoE", "fc3_experts_bias")
-        if x["router_weights"] is not None:
-            raise _refuse("QMoE", f"router_weights (input {QMOE.index('router_weights')})")
         if any(x[n] is not None for n in _QMOE_FP_EXTRAS):
             raise _refuse("QMoE", f"FP4/FP8 inputs ({QMOE.index(_QMOE_FP_EXTRAS[0])}+)")
         if a["use_sparse_mixer"]:
@@ -143,5 +142,6 @@ class QMoE(OpRun):
             fc1_bias=x["fc1_experts_bias"],
             fc2_bias=x["fc2_experts_bias"],
             normalize_routing_weights=int(a["normalize_routing_weights"]),
+            router_weights=x["router_weights"],
         )
         return (out.astype(tokens.dtype, copy=False),)

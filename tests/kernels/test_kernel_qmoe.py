@@ -9,6 +9,10 @@ swiglu_fusion 2 (ORT CPU refuses it), inter_size 0 and zero tokens (ORT refuses 
 Weights go to ORT as graph inputs, not initializers: with constant block-wise 8-bit weights
 ORT CPU quantises the activations to int8 and is about 1% off (semantics.md).
 
+About a third of the random calls carry ``router_weights`` (fresh non-negative values; test.json
+has fixed cases of it for every routing variant), so the route stage's weighting by them runs in
+the random, chunked and subgroup-width tests too.
+
 Error measure: ``max|kernel - reference| / max|reference|``, at most 1e-4 (float32). Every
 run poisons the outputs first, so an element no pass writes shows up as NaN. Random inputs
 are fresh per run (the ``rng`` fixture prints the seed). Shapes come from a small pool so
@@ -186,6 +190,8 @@ def random_call(rng: np.random.Generator, config: tuple, tokens: int, rank: int)
         call["fc1BiasT"] = rng.standard_normal((e, rows)).astype(np.float32)
     if b2:
         call["fc2BiasT"] = rng.standard_normal((e, h)).astype(np.float32)
+    if rng.random() < 0.3:  # QMoE input 14: router_probs selects, these weigh
+        call["routerWeightsT"] = rng.uniform(0.0, 1.0, (tokens, e)).astype(np.float32)
     attrs = {
         "k": k,
         "activation_type": act,

@@ -151,11 +151,18 @@ def qmoe_call(inputs: Mapping[str, Any], attrs: Mapping[str, Any]) -> dict[str, 
     """``com.microsoft.QMoE`` -> ``outputT``; ``block_size`` 0 means column-wise.
 
     Inputs: ``inputT, routerT, fc1T, fc1ScalesT, fc2T, fc2ScalesT``; optional ``fc1BiasT``,
-    ``fc2BiasT``.
+    ``fc2BiasT``, ``routerWeightsT``.
     """
     a = _with_defaults("QMoE", attrs)
+    mix = inputs.get("routerWeightsT")
+    normalize = a["normalize_routing_weights"]
     if inputs["fc2T"].shape[2] == 0:
-        out = _zero_inter(inputs, lambda router: route_qmoe(router, a["k"]))
+        out = _zero_inter(
+            inputs,
+            lambda router: route_qmoe(
+                router, a["k"], router_weights=mix, normalize_routing_weights=normalize
+            ),
+        )
         return {"outputT": out}
     out = qmoe(
         *(inputs[key] for key in ("inputT", "routerT", "fc1T", "fc1ScalesT", "fc2T", "fc2ScalesT")),
@@ -169,7 +176,8 @@ def qmoe_call(inputs: Mapping[str, Any], attrs: Mapping[str, Any]) -> dict[str, 
         swiglu_limit=a.get("swiglu_limit"),
         fc1_bias=inputs.get("fc1BiasT"),
         fc2_bias=inputs.get("fc2BiasT"),
-        normalize_routing_weights=a["normalize_routing_weights"],
+        normalize_routing_weights=normalize,
+        router_weights=mix,
     )
     return {"outputT": out}
 

@@ -25,10 +25,29 @@ FC1 and ``l`` from FC3 (MoE only), 1 = interleaved FC1 rows (row ``2j`` gate, ``
 Routing, as measured on ORT 1.32 CPU:
 
 * QMoE: top-k of the logits, softmax over the ``k`` selected logits. ``normalize_routing_weights``
-  0 and 1 give the same result (it only matters for ORT's separate ``router_weights`` input,
-  which this oracle does not take).
+  0 and 1 give the same result. With QMoE's optional ``router_weights [T, E]`` (input 14) the
+  top-k of ``router_probs`` still selects the experts, and the mixing weights are
+  ``router_weights`` gathered at the selected experts, divided by their sum when
+  ``normalize_routing_weights=1`` (weights 0 where that sum is 0) and used as they are with 0.
 * MoE: softmax over all ``E`` logits, top-k; the ``k`` probabilities are renormalised to sum 1
   only when ``normalize_routing_weights=1``.
+
+``router_weights`` in ONNX Runtime's sources (microsoft/onnxruntime, read for this oracle):
+
+* CPU (``onnxruntime/contrib_ops/cpu/moe/moe_quantization_cpu.cc`` at 0aab72a,
+  ``QMoECPU::ComputeCommon``): as above, with the sum in float32 and the weights multiplied by ``1 / sum`` (0 for a zero
+  sum); the shape must be ``[T, E]``. It also skips every selected expert whose final weight is
+  ``<= 1e-8``: a zero weight gives the same result either way (unless that expert's output is
+  not finite), but a negative or tiny positive one contributes nothing on ORT CPU. This oracle
+  does not model that skip: it computes every selected expert with its weight. (Measured: ORT
+  1.32 and 1.30 CPU, and onnxruntime-webgpu 1.27's CPU provider, compute exactly this.)
+* WebGPU (``onnxruntime/contrib_ops/webgpu/moe/qmoe.cc``, ``gate_1token.wgsl.template``):
+  older versions refuse ``router_weights`` (NOT_IMPLEMENTED, 02b0534) or, older still, ignore
+  input 14 (f79a393); the newest version read takes it with the same weights (``weight / sum`` when normalising,
+  0 for a zero sum, the shape of ``router_probs``) and no skip: every selected expert runs.
+* CUDA (``onnxruntime/contrib_ops/cuda/moe/moe_quantization.cc`` at 00d47b6,
+  ``QMoE::ComputeInternal``): input 14 is not read; the weights come from ``router_probs`` (softmax top-k) whatever
+  ``router_weights`` holds.
 
 Ties: on exactly equal logits this oracle selects the highest expert indices, as ORT's MoE and
 QMoE do (the ONNX ``TopK`` op selects the lowest). Random inputs never tie.
@@ -53,6 +72,7 @@ from onnx_moe_fuse.verify.oracles.moe_checks import (
     check_float,
     check_k,
     check_rank,
+    check_router_weights,
     check_shape,
     check_swiglu_params,
     check_tokens,
@@ -127,6 +147,7 @@ def qmoe(
     fc1_bias: npt.ArrayLike | None = None,
     fc2_bias: npt.ArrayLike | None = None,
     normalize_routing_weights: int = QMOE.default("normalize_routing_weights"),
+    router_weights: npt.ArrayLike | None = None,
 ) -> np.ndarray:
     """Compute ORT ``com.microsoft.QMoE`` with symmetric int weights (no zero points, no FC3).
 
@@ -149,17 +170,21 @@ def qmoe(
         swiglu_limit: swiglu clamp, ``None`` for none.
         fc1_bias: optional ``[E, fusion * I]``, added before the activation.
         fc2_bias: optional ``[E, H]``, added before the routing weight.
-        normalize_routing_weights: 0 or 1; no effect (ORT QMoE always softmaxes the k logits).
+        normalize_routing_weights: 0 or 1; without ``router_weights`` no effect (ORT QMoE
+            always softmaxes the k logits); with them, 1 renormalises the k gathered weights.
+        router_weights: optional ``[T, E]`` (the input's dtype): the mixing weights, read at
+            the experts the top-k of ``router_probs`` selects.
 
     Returns:
         float32 array of ``input``'s shape.
     """
     x_in = np.asarray(input)
     router = np.asarray(router_probs)
-    x, _, num_experts = check_tokens(x_in, router)
+    x, tokens, num_experts = check_tokens(x_in, router)
     hidden = x.shape[1]
     k = check_k(k, num_experts)
-    check_flag(normalize_routing_weights, "normalize_routing_weights")
+    normalize = check_flag(normalize_routing_weights, "normalize_routing_weights")
+    mix = check_router_weights(router_weights, x_in, tokens, num_experts)
     activation_type, swiglu_fusion = check_activation(activation_type, swiglu_fusion, (1, 2))
     alpha, beta, limit = check_swiglu_params(activation_alpha, activation_beta, swiglu_limit)
     if isinstance(expert_weight_bits, bool) or expert_weight_bits not in QMOE_BITS:
@@ -217,7 +242,7 @@ def qmoe(
 
     w1f = dequantize_qmoe(w1, s1, bits, block_size, dtype=np.float64)
     w2f = dequantize_qmoe(w2, s2, bits, block_size, dtype=np.float64)
-    idx, weights = route_qmoe(router, k)
+    idx, weights = route_qmoe(router, k, router_weights=mix, normalize_routing_weights=normalize)
     act = {
         "activation_type": activation_type,
         "swiglu_fusion": swiglu_fusion,

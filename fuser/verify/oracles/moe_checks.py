@@ -21,6 +21,7 @@ __all__ = [
     "check_k",
     "check_rank",
     "check_real",
+    "check_router_weights",
     "check_shape",
     "check_swiglu_params",
     "check_tokens",
@@ -140,6 +141,22 @@ def check_tokens(input_: np.ndarray, router: np.ndarray) -> tuple[np.ndarray, in
     if router.shape[1] <= 0:
         raise ValueError("router_probs has no experts (E = 0)")
     return x, x.shape[0], router.shape[1]
+
+
+def check_router_weights(
+    value: npt.ArrayLike | None, input_: np.ndarray, num_tokens: int, num_experts: int
+) -> np.ndarray | None:
+    """QMoE's optional ``router_weights``: ``[T, E]``, the input's float dtype; or None."""
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    check_float("router_weights", arr)
+    if arr.dtype != input_.dtype:
+        raise ValueError(
+            f"router_weights has dtype {arr.dtype}, but input has dtype {input_.dtype}"
+        )
+    check_shape("router_weights", arr, (num_tokens, num_experts), "[T, E]")
+    return arr
 
 
 def optional_float(
