@@ -47,7 +47,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_causal_lm_families import FAMILIES, Family, make_config  # noqa: E402
-from export_causal_lm_onnx import broken_fusion, export, first_line  # noqa: E402
+from export_causal_lm_onnx import PATCHES, broken_fusion, export, first_line  # noqa: E402
 from export_records import jsonable, ort_session, rel_err, versions  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "exported" / "causal_lm"
@@ -188,7 +188,14 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
     ids = random_ids(REF_IDS_SHAPE, SEED + 1, cfg.vocab_size)
     path = out_dir / f"{variant.name}.onnx"
     started = time.monotonic()
-    call = export(variant, module, ids, path)
+    patch, unpatched_error = None, None
+    try:
+        call = export(variant, module, ids, path)
+    except Exception as exc:  # noqa: BLE001 (a family with an export patch tries it next)
+        if variant.family.export_patch is None:
+            raise
+        patch, unpatched_error = variant.family.export_patch, first_line(exc)
+        call = export(variant, module, ids, path, patch=patch)
     if variant.dynamic:
         (given,) = _io(onnx.load(str(path), load_external_data=False).graph.input)
         if any(isinstance(d, int) for d in given["shape"]):
@@ -208,13 +215,18 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
                 raise
             plain_errors.append({"fusion": fusion, "error_in_ort": first_line(exc)})
             off += (fusion,)
-            call = export(variant, module, ids, path, off)
-    workaround = None
+            call = export(variant, module, ids, path, off, patch)
+    workaround: dict[str, Any] | None = None
     if off:
         workaround = {
             "what": f"onnxscript's {' and '.join(off)} fusion turned off for this export",
             "errors_with_the_fusion_on": plain_errors,
         }
+    if patch is not None:
+        workaround = workaround or {}
+        what = PATCHES[patch][0]
+        workaround["what"] = f"{workaround['what']}; {what}" if "what" in workaround else what
+        workaround["error_without_the_patch"] = unpatched_error
     export_s = time.monotonic() - started
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:

@@ -4,7 +4,9 @@
 translation table for ``grouped_mm``), saves the model with its weights inside and drops
 torch.onnx's per-node provenance. Two of onnxscript's opset-23 fusions, which torch.onnx runs
 by default, can make a model ORT rejects; ``broken_fusion`` names the one that did, and
-``export(..., off=...)`` exports again with it turned off.
+``export(..., off=...)`` exports again with it turned off. A family whose modeling code has no
+ONNX translation at all names an export patch (``PATCHES``: the same arithmetic in other torch
+ops), used only when the plain export fails (``export(..., patch=...)``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,73 @@ def fusions_off(names: tuple[str, ...]) -> Any:
             setattr(module, func, original)
 
 
+# -- export patches ------------------------------------------------------------------------------
+
+
+def _real_rotary_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``DeepseekV2RotaryEmbedding.forward`` with ``(cos, sin)`` stacked last, not a complex."""
+    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    return torch.stack((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling
+
+
+def _real_apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_emb`` of DeepSeek-V2: each (even, odd) pair times ``cos + i sin``, in reals."""
+    freqs = freqs_cis.unsqueeze(1).to(xq.device)  # [B, 1, S, D/2, 2]
+    cos, sin = freqs[..., 0], freqs[..., 1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        re, im = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1)
+        return out.flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+@contextlib.contextmanager
+def _deepseek_v2_real_rotary() -> Any:
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as mod
+
+    saved = mod.DeepseekV2RotaryEmbedding.forward, mod.apply_rotary_emb
+    mod.DeepseekV2RotaryEmbedding.forward = _real_rotary_forward
+    mod.apply_rotary_emb = _real_apply_rotary_emb
+    try:
+        yield
+    finally:
+        mod.DeepseekV2RotaryEmbedding.forward, mod.apply_rotary_emb = saved
+
+
+# Export patches by name (``Family.export_patch``): what each does, and its context manager.
+# Each is active inside ``torch.onnx.export`` only; the PyTorch reference the export is checked
+# against is the unpatched model, so the check also shows that the patch computes the same.
+#
+# - ``deepseek_v2_real_rotary``: DeepSeek-V2's rotary embedding is complex
+#   (``torch.polar`` for the frequencies, ``torch.view_as_complex`` of (even, odd) pairs), which
+#   torch.onnx cannot translate ("No decompositions registered for the complex-valued input", as
+#   Llama4's). The patch computes the same product with real tensors: ``(cos, sin)`` stacked
+#   last, ``(a, b) -> (a cos - b sin, a sin + b cos)``, flattened back to interleaved pairs.
+PATCHES = {
+    "deepseek_v2_real_rotary": (
+        "DeepSeek-V2's complex rotary embedding (torch.polar, view_as_complex) computed with "
+        "real tensors inside torch.onnx.export (export_causal_lm_onnx.PATCHES); the MoE layers "
+        "are untouched",
+        _deepseek_v2_real_rotary,
+    ),
+}
+
+
+@contextlib.contextmanager
+def patched(name: str | None) -> Any:
+    """The export patch ``name`` (``PATCHES``) in force; nothing when ``name`` is None."""
+    if name is None:
+        yield
+        return
+    with PATCHES[name][1]():
+        yield
+
+
 def broken_fusion(path: Path, exc: Exception) -> str | None:
     """Which of ``OPSET23_FUSIONS`` made the export at ``path`` fail as ``exc``, if one did."""
     if "RotaryEmbedding" in str(exc):
@@ -76,10 +145,12 @@ def export(
     ids: torch.Tensor,
     path: Path,
     off: tuple[str, ...] = (),
+    patch: str | None = None,
 ) -> str:
     """Export ``module`` to ``path``; returns the call, in words, for the record.
 
-    ``off``: onnxscript fusions turned off (:func:`fusions_off`).
+    ``off``: onnxscript fusions turned off (:func:`fusions_off`); ``patch``: an export patch
+    (:data:`PATCHES`) in force during the export.
     """
     table = None
     if variant.family.dispatches_experts and variant.impl == "grouped_mm":
@@ -92,7 +163,7 @@ def export(
             "input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
         }
     noise = io.StringIO()  # torch.export prints whole graphs on some failures
-    with contextlib.redirect_stdout(noise), torch.no_grad(), fusions_off(off):
+    with contextlib.redirect_stdout(noise), torch.no_grad(), fusions_off(off), patched(patch):
         program = torch.onnx.export(
             module,
             (ids,),
@@ -117,6 +188,8 @@ def export(
     call += ")"
     if off:
         call += f" with onnxscript's {' and '.join(off)} fusion off (export_causal_lm.fusions_off)"
+    if patch is not None:
+        call += f" with the export patch {patch} (export_causal_lm_onnx.PATCHES)"
     return call
 
 

@@ -1,7 +1,8 @@
 """Whole 2-layer ``*ForCausalLM`` torch.onnx exports: every MoE layer fuses or is refused as recorded.
 
 The exports (``sample_models/exported/causal_lm/``, written by
-``sample_models/export_causal_lm.py``) cover ten families, both transformers experts
+``sample_models/export_causal_lm.py``) cover nineteen families (DeepSeek-V2 twice: greedy and
+group-limited top-k), both transformers experts
 implementations (``batched_mm``, ``grouped_mm``), dynamic and static shapes, opsets 18 and 23,
 float32 and float16. Each record says what a correct fuser must do with each layer (``expected``
 and ``expected_layers``), written from the family's modeling code, not from what the fuser does.
@@ -76,9 +77,38 @@ def test_fused_export_matches_pytorch(name: str) -> None:
     assert err <= RTOL, f"{name}: fused ORT vs PyTorch rel err {err:.2e}"
 
 
+def _fused_families() -> set[tuple[str, str]]:
+    return {(r["family"], r["experts_implementation"]) for r in RECORDS.values() if r["expected"]}
+
+
 def test_every_softmax_family_fuses_in_both_implementations() -> None:
     """The coverage the issue asks for, stated once: no family silently drops out."""
-    fused = {(r["family"], r["experts_implementation"]) for r in RECORDS.values() if r["expected"]}
+    fused = _fused_families()
     for family in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"):
+        for impl in ("batched_mm", "grouped_mm"):
+            assert (family, impl) in fused, (family, impl)
+
+
+#: families whose routers are top-k selections with per-selected non-negative weights other than
+#: softmax top-k: sigmoid scores, a selection-only correction bias, group-limited top-k, routing
+#: scaling factors, clamped renormalisation
+TOPK_ROUTER_FAMILIES = (
+    "deepseek_v3",
+    "glm4_moe",
+    "dots1",
+    "exaone_moe",
+    "minimax_m2",
+    "afmoe",
+    "lfm2_moe",
+    "ernie4_5_moe",
+    "deepseek_v2",
+    "deepseek_v2_greedy",
+)
+
+
+def test_every_topk_router_family_fuses_in_both_implementations() -> None:
+    """The same for the other top-k routers: each is exported and expected to fuse, both ways."""
+    fused = _fused_families()
+    for family in TOPK_ROUTER_FAMILIES:
         for impl in ("batched_mm", "grouped_mm"):
             assert (family, impl) in fused, (family, impl)
