@@ -75,7 +75,6 @@ MUTATIONS = (
     "fc2_other_indices",  # FC2 gathers experts by other indices than FC1
     "erf_gelu",  # exact (erf) GELU where MoE's gelu is the tanh approximation
     "dropped_clamp",  # gpt-oss SwiGLU with the gate clamp removed (the linear clamp kept)
-    "no_renorm_quantized",  # raw top-k softmax weights, but the weights are quantized
     "router_second_input",  # the router reads a second graph input, not the tokens
     "router_token_slice",  # the router reads the tokens reversed along the token axis
     "zero_point_off",  # the zero point is one off the symmetric point
@@ -90,7 +89,6 @@ MUTATION_PART = {
     "fc2_other_indices": "experts",
     "erf_gelu": "activation",
     "dropped_clamp": "activation",
-    "no_renorm_quantized": "routing",
     "router_second_input": "router",
     "router_token_slice": "router",
     "zero_point_off": "weights",
