@@ -6,6 +6,9 @@ Draws equivalent layers and mutants from every spelling (``tests/spellings/strat
 ``all_cases`` / ``all_mutants``, hypothesis profile ``spellings-long``), runs each through
 ``onnx_moe_fuse.fuse`` and the checks of ``tests/spellings/outcomes.py``, and prints:
 
+* a sweep: one axis of fused, supported base layers changed to each spelling in turn (every
+  routing with the k and groups it needs), and each mutation applied to those bases (split by
+  routing family: routed by the fused ops themselves, or through the routing construction);
 * per spelling (axis = value), over the cases whose *other* axes are all in ``SUPPORTED``
   (so a spelling is measured alone): fused / refused / wrong-op / wrong-numbers / error counts,
   and whether ``SUPPORTED`` lists it;
@@ -46,7 +49,13 @@ SWEEP_AXES = {
 
 
 def _with(base: S.LayerCase, axis: str, value: object) -> S.LayerCase:
-    """``base`` with one axis (a LayerCase field of that name) set to ``value``."""
+    """``base`` with one axis (a LayerCase field of that name) set to ``value``.
+
+    A routing comes with the k and groups it needs (``strategies.with_routing``: k = 1 for a
+    top-1, groups for a grouped top-k); a rank with token sizes of that rank.
+    """
+    if axis == "routing":
+        return S.with_routing(base, str(value))
     changes: dict[str, object] = {axis: value}
     if axis == "rank" and value != base.rank:
         changes["token_dims"] = (5,) if value == 2 else (2, 3)
@@ -113,6 +122,33 @@ def _sweep(bases: list[S.LayerCase], per_value: int) -> None:
             print(f"{label:36} {n:3}  {text}")
 
 
+def _mutation_sweep(bases: list[S.LayerCase], per_value: int) -> None:
+    """Break fused base layers by each mutation in turn (``strategies.mutant_of``)."""
+    print(f"\n## sweep: each mutation on up to {per_value} fused base layers per routing family\n")
+    print(_row("mutation (routing family)", ["SUPPORTED", "n", *MUTANT_KINDS]))
+    reasons: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for mutation in S.MUTATIONS:
+        for constructed in (False, True):
+            family = "constructed" if constructed else "direct"
+            cases = [S.mutant_of(b, mutation) for b in bases if b.constructed == constructed]
+            cases = [c for c in cases if c is not None][:per_value]
+            if not cases:
+                continue
+            counts = collections.Counter()
+            for case in cases:
+                outcome = check_mutant(case)
+                counts[outcome.kind] += 1
+                if outcome.kind != "refused":
+                    reasons[f"{mutation} ({family})"][str(outcome)] += 1
+            mark = "yes" if mutation in S.SUPPORTED["mutation"] else "no"
+            cells = [mark, sum(counts.values()), *(counts[k] for k in MUTANT_KINDS)]
+            print(_row(f"{mutation} ({family})", cells))
+    print("\n## sweep: why the broken layers were not refused and named\n")
+    for label, texts in reasons.items():
+        for text, n in texts.most_common():
+            print(f"{label:36} {n:3}  {text}")
+
+
 def _spelling_table(results, title: str) -> None:
     print(f"\n## {title}: per spelling (other axes supported, no unsupported combination)\n")
     print(_row("axis = spelling", ["SUPPORTED", "n", *LAYER_KINDS]))
@@ -165,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cases in listed unsupported combinations: {dict(combos)}")
     bases = [c for c, o in layers if S.is_supported(c) and o.kind == "fused"]
     _sweep(bases, args.sweep)
+    _mutation_sweep(bases, args.sweep)
     _spelling_table(layers, "equivalent layers")
     print("\n## listed unsupported combinations (UNSUPPORTED_COMBINATIONS)\n")
     for name, pred, why in S.UNSUPPORTED_COMBINATIONS:

@@ -1,7 +1,8 @@
-"""ONNX builders of one MoE layer from a :class:`~tests.spellings.strategies.LayerCase`.
+"""ONNX builders of one MoE layer from a :class:`~tests.spellings.case.LayerCase`.
 
 Each part (router, routing, experts, activation, combine, weights) has one builder per
-spelling, written the way an exporter or an engineer would, and the parts compose freely. The
+spelling, written the way an exporter or an engineer would, and the parts compose freely
+(the routing's in ``build_routing.py``, the experts' and combine's in ``build_experts.py``). The
 builder draws the layer's float parameters from ``case.seed``, quantizes them when the case
 asks, and returns the model together with the parameters the numpy reference needs
 (:class:`Built`): the weights as the graph dequantizes them, in the logical ``[E, K, N]`` layout.
@@ -18,7 +19,8 @@ import onnx
 import onnx.numpy_helper as nh
 from onnx import TensorProto, helper
 
-from .strategies import SWIGLU, LayerCase
+from .axes import SWIGLU
+from .case import LayerCase
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -185,26 +187,6 @@ class _Layer:
             logits = g.node("Add", [logits, g.init("router_bias", b)], "router_logits_biased")
         return logits
 
-    def routing(self, logits: str, rank: int) -> tuple[str, str]:
-        """Write the routing; returns (the k weights ``[*, k]``, the expert ids ``[*, k]``)."""
-        c, g = self.case, self.g
-        k = g.i64(c.top_k)
-        sm_axis = 0 if self.mutation == "softmax_axis" else -1
-        topk_axis = 0 if self.mutation == "topk_axis" else -1
-        topk = dict(axis=topk_axis, largest=1, sorted=1)
-        if c.routing == "topk_softmax":
-            vals, idx = g.node("TopK", [logits, k], "topk", outputs=2, **topk)
-            return g.node("Softmax", [vals], "routing_weights", axis=sm_axis), idx
-        probs = g.node("Softmax", [logits], "router_probs", axis=sm_axis)
-        vals, idx = g.node("TopK", [probs, k], "topk", outputs=2, **topk)
-        if c.routing == "softmax_topk_raw":
-            return vals, idx
-        total = g.node("ReduceSum", [vals, g.i64(-1)], "topk_sum", keepdims=1)
-        if c.routing == "softmax_topk_div":
-            return g.node("Div", [vals, total], "routing_weights"), idx
-        inv = g.node("Reciprocal", [total], "topk_sum_inv")
-        return g.node("Mul", [vals, inv], "routing_weights"), idx
-
     # -- activation ------------------------------------------------------------------------
     def activation(self, fc1: str | tuple[str, str]) -> str:
         """Apply the activation to FC1's output (a (gate, up) pair for separate experts)."""
@@ -290,7 +272,8 @@ class _Layer:
 
     # -- the whole layer -------------------------------------------------------------------
     def build(self) -> Built:
-        from . import build_experts  # the experts and combine builders, split out for length
+        # the routing, experts and combine builders, split out for length
+        from . import build_experts, build_routing
 
         c, g = self.case, self.g
         h = c.hidden
@@ -307,7 +290,7 @@ class _Layer:
         tokens = g.node("Reshape", [x, g.i64(-1, h)], "tokens") if flat else x
         rank = 2 if flat else c.rank
         logits = self.router(tokens, rank)
-        weights, idx = self.routing(logits, rank)
+        weights, idx = build_routing.routing(self, logits, rank)
         out = build_experts.experts_and_combine(self, tokens, rank, weights, idx)
         if flat:
             out = g.node("Reshape", [out, g.node("Shape", [x], "x_shape")], "y")

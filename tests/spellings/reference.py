@@ -2,7 +2,8 @@
 
 It reads the case's spelling names and the float parameters the builder drew (weights as the
 graph dequantizes them, in the logical ``[E, K, N]`` layout) and computes the layer token by
-token in float64: router logits, softmax routing, top-k, the selected experts' FFNs, the
+token in float64: router logits, the routing (softmax or sigmoid scores, a biased or
+group-limited top-k, renormalisation, a routing factor), the selected experts' FFNs, the
 weighted sum. It shares no code with ``onnx_moe_fuse`` (nor its oracles), so a fused model that
 matches it matches the layer's meaning, not the fuser's reading of it.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .strategies import LayerCase
+from .axes import GATHER_ROUTINGS, SOFTMAX_SCORED, UNNORMALISED_ROUTINGS
+from .case import LayerCase
 
 
 def _softmax(v: np.ndarray) -> np.ndarray:
@@ -29,16 +31,51 @@ def _top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(scores, idx, axis=-1), idx
 
 
-def routing(case: LayerCase, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The k routing weights and expert ids of every token (rows of ``logits`` ``[T, E]``)."""
-    k = case.top_k
-    if case.routing == "topk_softmax":
+def _group_limited(case: LayerCase, choice: np.ndarray) -> np.ndarray:
+    """DeepSeek-V3's group limit: choice scores outside the ``topk_group`` best groups set to 0.
+
+    A group's score is the sum of its two largest choice scores.
+    """
+    t, e = choice.shape
+    grouped = choice.reshape(t, case.groups, e // case.groups)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, G]
+    _, best = _top_k(group_scores, case.topk_group)
+    keep = np.zeros_like(group_scores, dtype=bool)
+    np.put_along_axis(keep, best, True, axis=-1)
+    return np.where(np.repeat(keep, e // case.groups, axis=-1), choice, 0.0)
+
+
+def routing(
+    case: LayerCase, logits: np.ndarray, params: dict[str, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k routing weights and expert ids of every token (rows of ``logits`` ``[T, E]``).
+
+    ``params`` holds what the builder drew for the routing (``routing_factor``,
+    ``selection_bias``); the routings that have neither need none.
+    """
+    p = params or {}
+    k, r = case.top_k, case.routing
+    if r == "topk_softmax":
         vals, idx = _top_k(logits, k)
         return _softmax(vals), idx
-    vals, idx = _top_k(_softmax(logits), k)
-    if case.routing == "softmax_topk_raw":
+    scores = _softmax(logits) if r in SOFTMAX_SCORED else _sigmoid(logits)
+    if r in GATHER_ROUTINGS:  # chosen by the biased scores, weighted by the unbiased ones
+        choice = scores + p["selection_bias"]
+        if r == "grouped_topk":
+            choice = _group_limited(case, choice)
+        _, idx = _top_k(choice, k)
+        vals = np.take_along_axis(scores, idx, axis=-1)
+    else:
+        vals, idx = _top_k(scores, k)
+    if r in UNNORMALISED_ROUTINGS:
         return vals, idx
-    return vals / vals.sum(axis=-1, keepdims=True), idx
+    total = vals.sum(axis=-1, keepdims=True)
+    if r == "softmax_bias_clamp":
+        return vals / np.maximum(total, 1e-12), idx
+    if r in ("sigmoid_topk_renorm_scaled", "biased_selection", "grouped_topk"):
+        total = total + 1e-20
+    weights = vals / total
+    return (weights * p["routing_factor"] if "routing_factor" in p else weights), idx
 
 
 def _activation(case: LayerCase, p: dict[str, np.ndarray], e: int, t: np.ndarray) -> np.ndarray:
@@ -72,7 +109,7 @@ def reference(case: LayerCase, params: dict[str, np.ndarray], x: np.ndarray) -> 
     logits = tokens @ p["router_weight"]
     if "router_bias" in p:
         logits = logits + p["router_bias"]
-    weights, ids = routing(case, logits)
+    weights, ids = routing(case, logits, p)
     out = np.zeros_like(tokens)
     for row, t in enumerate(tokens):
         for w, e in zip(weights[row], ids[row], strict=True):

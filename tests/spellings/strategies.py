@@ -1,102 +1,50 @@
-"""The spelling axes of an MoE layer, what each combination must fuse to, and hypothesis strategies.
+"""What each combination of spellings must fuse to today, and hypothesis strategies of them.
 
-A :class:`LayerCase` picks one spelling per part (router, routing, experts, activation, combine,
-weights, tokens) plus sizes and a seed, and optionally one :data:`MUTATIONS` entry that breaks
-the layer's equivalence to a fused node in exactly one place. :func:`expected` says what the
-fuser must do with it: emit the op with the listed attributes, or refuse and name the part.
+A :class:`~.case.LayerCase` picks one spelling per part (the axes of :mod:`.axes`) plus sizes
+and a seed, and optionally one :data:`~.axes.MUTATIONS` entry that breaks the layer's
+equivalence to a fused node in exactly one place; :func:`~.case.expected` says what the fuser
+must do with it. This module re-exports both modules' names.
 
 The fuser is being generalised, so not every spelling fuses yet. :data:`SUPPORTED` lists, per
-axis, the spellings that fuse on the current tree, and :data:`UNSUPPORTED_COMBINATIONS` the
-cross-axis combinations that do not (each with the fuser's reason); the CI properties draw from
-those only (:func:`supported_cases`, :func:`supported_mutants`), the long run draws from
-everything (:func:`all_cases`, :func:`all_mutants`). Grow ``SUPPORTED`` as support lands; never
-weaken the properties instead.
+axis, the spellings that fuse on the current tree (or that the work in progress makes fuse:
+the constructed routings), and :data:`UNSUPPORTED_COMBINATIONS` the cross-axis combinations
+that do not (each with the fuser's reason); the CI properties draw from those only
+(:func:`supported_cases`, :func:`supported_mutants`), the long run draws from everything
+(:func:`all_cases`, :func:`all_mutants`). Grow ``SUPPORTED`` as support lands; never weaken
+the properties instead.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-ROUTERS = ("matmul", "matmul_bias", "gemm_transb", "einsum")
-ROUTINGS = ("softmax_topk_div", "softmax_topk_reciprocal", "topk_softmax", "softmax_topk_raw")
-EXPERTS = (
-    "gather_expand",  # Gather(W, idx), Unsqueeze + Expand the tokens, MatMul, Squeeze
-    "gather_reshape",  # the same, the unit axis dropped by Reshape
-    "transpose_weights",  # output-major [E, N, K] weights, Transpose in the graph
-    "einsum",  # Einsum of the tokens with the gathered weights
-    "rows_gathernd",  # torch batched_mm export: T*k rows, GatherND by flat ids, batched MatMul
-    "dense_onehot",  # every expert on every token, combine masked by OneHot
-    "dense_equal",  # every expert on every token, combine masked by Equal/Cast
+from .axes import *  # noqa: F403 (re-exported: the axes, the mutations and their needs)
+from .axes import (
+    ACTIVATIONS,
+    COMBINE_NEEDS,
+    COMBINES,
+    CONSTRUCTED_ROUTINGS,
+    EXPERTS,
+    GRANULARITIES,
+    MUTATION_NEEDS,
+    MUTATIONS,
+    NEEDS_TWO_TOKENS,
+    OPSETS,
+    RANKS,
+    ROUTERS,
+    ROUTINGS,
+    SHAPES,
+    SOFTMAX_ROUTINGS,
+    WEIGHT_DTYPES,
+    ZERO_POINTS,
+    needs_two_slots,
 )
-ACTIVATIONS = (
-    "swiglu_separate",  # gate and up from separate experts
-    "swiglu_split",  # one FC1, Split into halves
-    "swiglu_slice",  # one FC1, Slice halves
-    "swiglu_strided",  # one FC1, step-2 Slices (interleaved)
-    "swish",  # the Swish op (opset 24)
-    "silu_x_sigmoid",  # Mul(x, Sigmoid(x))
-    "silu_sigmoid_x",  # Mul(Sigmoid(x), x)
-    "relu",
-    "gelu_tanh",  # Gelu(approximate="tanh")
-    "swiglu_oss",  # gpt-oss: strided, clamp 7, alpha 1.702, +1 on the linear side
-)
-COMBINES = (
-    "mul_reducesum",
-    "matmul_row",
-    "einsum",
-    # [B, S] tokens flattened for the experts, the mix split back: over [E, B, S, H] (dense,
-    # optimum's dense gpt-oss) or [B, S, k, H] (per slot)
-    "split_rows",
-)
-#: Combines that only some layouts write: combine -> (the experts, the ranks) it needs.
-COMBINE_NEEDS = {
-    "split_rows": (
-        frozenset({"dense_onehot", "dense_equal", "gather_expand", "gather_reshape",
-                   "transpose_weights", "einsum"}),
-        frozenset({3}),
-    )
-}  # fmt: skip
-WEIGHT_DTYPES = ("float32", "int4", "uint4", "int8", "uint8")
-GRANULARITIES = ("channel", "block32")  # scales per output channel, or per block of 32 along K
-ZERO_POINTS = ("absent", "explicit")  # explicit: 0 signed, 8 uint4, 128 uint8 (the symmetric point)
-RANKS = (2, 3)
-OPSETS = (21, 22, 23)
-SHAPES = ("static", "symbolic")
-
-MUTATIONS = (
-    "softmax_axis",  # the router Softmax normalises over another axis than the experts
-    "topk_axis",  # TopK selects along another axis than the experts
-    "swap_gate_up",  # the SiLU's sigmoid reads the up projection instead of the gate
-    "fc2_other_indices",  # FC2 gathers experts by other indices than FC1
-    "erf_gelu",  # exact (erf) GELU where MoE's gelu is the tanh approximation
-    "dropped_clamp",  # gpt-oss SwiGLU with the gate clamp removed (the linear clamp kept)
-    "router_second_input",  # the router reads a second graph input, not the tokens
-    "router_token_slice",  # the router reads the tokens reversed along the token axis
-    "zero_point_off",  # the zero point is one off the symmetric point
-    "weight_graph_input",  # FC1's weights (or codes) are a graph input, not a constant
-)
-
-# The part each mutation breaks; the fuser's near miss must name it (test_properties.PART_WORDS).
-MUTATION_PART = {
-    "softmax_axis": "routing",
-    "topk_axis": "routing",
-    "swap_gate_up": "activation",
-    "fc2_other_indices": "experts",
-    "erf_gelu": "activation",
-    "dropped_clamp": "activation",
-    "router_second_input": "router",
-    "router_token_slice": "router",
-    "zero_point_off": "weights",
-    "weight_graph_input": "weights",
-}
-
-SWIGLU = frozenset(a for a in ACTIVATIONS if a.startswith("swiglu"))
-GATHERED = frozenset(e for e in EXPERTS if not e.startswith("dense"))
+from .case import *  # noqa: F403 (re-exported: LayerCase, Expected, expected, SMALL_BASE)
+from .case import LayerCase, group_options
 
 # Spellings that fuse on the current tree (measured with scripts/spelling_long_run.py; the
 # report of that run gives the reasons the others are refused).
@@ -132,160 +80,7 @@ UNSUPPORTED_COMBINATIONS: tuple[tuple[str, Callable[[LayerCase], bool], str], ..
 )
 
 
-@dataclass(frozen=True)
-class LayerCase:
-    """One generated MoE layer: a spelling per part, sizes, a seed and an optional mutation."""
-
-    router: str
-    routing: str
-    experts: str
-    activation: str
-    combine: str
-    weight_dtype: str
-    granularity: str
-    zero_point: str
-    rank: int
-    shapes: str
-    hidden: int
-    inter: int
-    experts_count: int
-    top_k: int
-    token_dims: tuple[int, ...]  # the static sizes before H ([T] or [B, S]); feeds use them
-    seed: int
-    mutation: str | None = None
-    opset_version: int = 21  # 21..23 (blocked DequantizeLinear needs 21)
-
-    @property
-    def quantized(self) -> bool:
-        """True when the expert weights are behind DequantizeLinear."""
-        return self.weight_dtype != "float32"
-
-    @property
-    def bits(self) -> int:
-        """The bit width of the quantized codes (32 for float)."""
-        return {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8}.get(self.weight_dtype, 32)
-
-    @property
-    def fused_fc1(self) -> bool:
-        """True when gate and linear come from one FC1 projection of width 2 I."""
-        return self.activation in SWIGLU and self.activation != "swiglu_separate"
-
-    @property
-    def opset(self) -> int:
-        """The default-domain opset: ``opset_version``, or 24 where the Swish op needs it."""
-        return 24 if self.activation == "swish" else self.opset_version
-
-    def label(self) -> str:
-        """A short readable name of the case."""
-        w = (
-            "f32"
-            if not self.quantized
-            else f"{self.weight_dtype}-{self.granularity}-zp{self.zero_point}"
-        )
-        base = (
-            f"{self.router}/{self.routing}/{self.experts}/{self.activation}/{self.combine}/{w}/"
-            f"r{self.rank}-{self.shapes} H{self.hidden} I{self.inter} E{self.experts_count} "
-            f"k{self.top_k} opset{self.opset} seed{self.seed}"
-        )
-        return base if self.mutation is None else f"{base} !{self.mutation}"
-
-    def axis_values(self) -> dict[str, object]:
-        """The spelling chosen on every axis (the keys of :data:`SUPPORTED`)."""
-        return {
-            "router": self.router,
-            "routing": self.routing,
-            "experts": self.experts,
-            "activation": self.activation,
-            "combine": self.combine,
-            "weight_dtype": self.weight_dtype,
-            "granularity": self.granularity if self.quantized else None,
-            "zero_point": self.zero_point if self.quantized else None,
-            "rank": self.rank,
-            "shapes": self.shapes,
-            "mutation": self.mutation,
-        }
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the fuser must do with a case.
-
-    Fuse into ``op`` with ``attributes`` (a value, or a set of allowed values, per attribute),
-    or refuse (``op`` None) with a near miss naming ``part``.
-    """
-
-    op: str | None
-    attributes: Mapping[str, object]
-    part: str | None = None
-
-
-#: A small float layer of the commonest spellings, for tests that change one axis at a time.
-SMALL_BASE = LayerCase(
-    router="matmul",
-    routing="softmax_topk_div",
-    experts="gather_expand",
-    activation="swiglu_separate",
-    combine="mul_reducesum",
-    weight_dtype="float32",
-    granularity="channel",
-    zero_point="absent",
-    rank=2,
-    shapes="symbolic",
-    hidden=16,
-    inter=8,
-    experts_count=4,
-    top_k=2,
-    token_dims=(5,),
-    seed=3,
-)
-
-
-def expected(case: LayerCase) -> Expected:
-    """The outcome ``case`` must have (from the meaning of ORT's MoE/QMoE, not the fuser)."""
-    if case.mutation is not None:
-        return Expected(None, {}, MUTATION_PART[case.mutation])
-    act = case.activation
-    swiglu = act in SWIGLU
-    oss = act == "swiglu_oss"
-    attrs: dict[str, object] = {
-        "k": case.top_k,
-        "activation_type": "swiglu"
-        if swiglu
-        else {"relu": "relu", "gelu_tanh": "gelu"}.get(act, "silu"),
-        "normalize_routing_weights": 0 if case.routing == "softmax_topk_raw" else 1,
-        "use_sparse_mixer": 0,
-        "swiglu_fusion": 1 if swiglu else 0,
-        "activation_alpha": 1.702 if oss else 1.0,
-        "activation_beta": 1.0 if oss else 0.0,
-        "swiglu_limit": 7.0 if oss else math.inf,
-    }
-    if not case.quantized:
-        return Expected("MoE", attrs)
-    attrs["expert_weight_bits"] = case.bits
-    if case.granularity == "block32" and max(case.hidden, case.inter) > 32:
-        attrs["block_size"] = 32
-    elif case.granularity == "block32":  # one block of 32 over each K: per channel too
-        attrs["block_size"] = {0, 32}
-    else:
-        # one block over K per projection: per channel (0), or K itself when FC1 and FC2 share it
-        attrs["block_size"] = {0, case.hidden} if case.hidden == case.inter else {0}
-    return Expected("QMoE", attrs)
-
-
 # -- strategies ----------------------------------------------------------------------------
-
-# Mutations that only make sense on some spellings: axis -> the spellings they need.
-MUTATION_NEEDS: dict[str, dict[str, frozenset]] = {
-    "swap_gate_up": {"activation": SWIGLU},
-    "fc2_other_indices": {"experts": GATHERED},
-    "erf_gelu": {"activation": frozenset({"gelu_tanh"}), "weight_dtype": frozenset({"float32"})},
-    "dropped_clamp": {"activation": frozenset({"swiglu_oss"})},
-    "no_renorm_quantized": {
-        "routing": frozenset({"softmax_topk_raw"}),
-        "weight_dtype": frozenset(WEIGHT_DTYPES) - {"float32"},
-    },
-    "zero_point_off": {"weight_dtype": frozenset(WEIGHT_DTYPES) - {"float32"}},
-}
 
 
 def _choices(axis: str, allowed: Mapping[str, frozenset] | None, all_values: tuple) -> list:
@@ -317,23 +112,31 @@ def layer_cases(
     kinds = sorted({d == "float32" for d in dtypes})
     float_weights = draw(st.sampled_from(kinds))
     weight_dtype = draw(st.sampled_from([d for d in dtypes if (d == "float32") == float_weights]))
-    routing_values = ROUTINGS
-    if weight_dtype != "float32" and mutation != "no_renorm_quantized":
-        routing_values = tuple(r for r in ROUTINGS if r != "softmax_topk_raw")
+    routing = pick("routing", ROUTINGS)
     granularity = pick("granularity", GRANULARITIES)
     blocked = weight_dtype != "float32" and granularity == "block32"
     sizes = (32, 64) if blocked else (16, 32, 48)
-    experts_count = draw(st.integers(2, 8))
+    groups = topk_group = 1
+    if routing == "grouped_topk":  # groups of 2 or more experts (a top-2 sum scores each)
+        experts_count = draw(st.sampled_from((4, 6, 8)))
+        groups = draw(st.sampled_from(group_options(experts_count)))
+        topk_group = draw(st.integers(1, groups - 1))
+    else:  # a top-1 capacity_drop overflows an expert often only among few experts
+        few = mutation == "capacity_drop" and routing == "argmax_top1"
+        experts_count = draw(st.integers(2, 3 if few else 8))
     rank = pick("rank", RANKS)
-    # reversed tokens, or a softmax over tokens, differ from the layer only with two or more
-    least = 2 if mutation in ("router_token_slice", "softmax_axis") else 1
+    # reversed or rolled tokens, a softmax or a count over tokens, differ only with two or more
+    least = 2 if mutation in NEEDS_TWO_TOKENS else 1
     token_dims = (
         (draw(st.integers(least, 6)),)
         if rank == 2
         else (draw(st.integers(least, 3)), draw(st.integers(least, 4)))
     )
-    # with k = E the raw top-k softmax weights sum to 1 already: not renormalising breaks nothing
-    most_k = experts_count - 1 if mutation == "no_renorm_quantized" else experts_count
+    most_k = topk_group * (experts_count // groups)
+    least_k = 2 if needs_two_slots(mutation, routing) else 1
+    if mutation == "capacity_drop":  # 2 k > E: two tokens share an expert, one is dropped
+        least_k = min(experts_count // 2 + 1, most_k)
+    top_k = 1 if routing == "argmax_top1" else draw(st.integers(least_k, most_k))
     zero_point = pick("zero_point", ZERO_POINTS)
     if weight_dtype in ("uint4", "uint8") or mutation == "zero_point_off":
         zero_point = "explicit"  # unsigned codes without a zero point mean zp 0: not symmetric
@@ -346,7 +149,7 @@ def layer_cases(
     )
     return LayerCase(
         router=pick("router", ROUTERS),
-        routing=pick("routing", routing_values),
+        routing=routing,
         experts=experts,
         activation=pick("activation", ACTIVATIONS),
         combine=pick("combine", combines),
@@ -358,18 +161,18 @@ def layer_cases(
         hidden=draw(st.sampled_from(sizes)),
         inter=draw(st.sampled_from(sizes)),
         experts_count=experts_count,
-        top_k=draw(st.integers(1, most_k)),
+        top_k=top_k,
         token_dims=token_dims,
         seed=draw(st.integers(0, 2**31 - 1)),
         mutation=mutation,
         opset_version=draw(st.sampled_from(OPSETS)),
+        groups=groups,
+        topk_group=topk_group,
     )
 
 
 def unmutated(case: LayerCase) -> LayerCase:
-    """The equivalent layer a mutant breaks (no_renorm_quantized: its renormalised twin)."""
-    if case.mutation == "no_renorm_quantized":
-        return replace(case, mutation=None, routing="softmax_topk_div")
+    """The equivalent layer a mutant breaks."""
     return replace(case, mutation=None)
 
 
@@ -377,11 +180,10 @@ def is_valid(case: LayerCase) -> bool:
     """Whether an unmutated case is a layer that one MoE/QMoE node computes.
 
     What :func:`layer_cases` guarantees, for cases edited by hand (the long run's sweep):
-    QMoE needs renormalised routing, unsigned codes need their zero point, blocks of 32 need
-    H and I multiples of 32, and ``1 <= k <= E``.
+    unsigned codes need their zero point, blocks of 32 need H and I multiples of 32,
+    ``1 <= k <= E``, a top-1 routing k = 1, and a grouped top-k 2 or more groups of 2 or more
+    experts, fewer groups kept than there are and ``k`` within them (other routings: no groups).
     """
-    if case.quantized and case.routing == "softmax_topk_raw":
-        return False
     if case.weight_dtype in ("uint4", "uint8") and case.zero_point != "explicit":
         return False
     if case.quantized and case.granularity == "block32":
@@ -391,7 +193,70 @@ def is_valid(case: LayerCase) -> bool:
         experts, ranks = COMBINE_NEEDS[case.combine]
         if case.experts not in experts or case.rank not in ranks:
             return False
-    return 1 <= case.top_k <= case.experts_count
+    if case.routing == "argmax_top1" and case.top_k != 1:
+        return False
+    most_k = case.experts_count
+    if case.routing == "grouped_topk":
+        if case.groups not in group_options(case.experts_count):
+            return False
+        if not 1 <= case.topk_group < case.groups:
+            return False
+        most_k = case.topk_group * (case.experts_count // case.groups)
+    elif (case.groups, case.topk_group) != (1, 1):
+        return False
+    return 1 <= case.top_k <= most_k
+
+
+def with_routing(case: LayerCase, routing: str) -> LayerCase:
+    """``case`` routed by ``routing``, its k and groups fitted to it where they do not fit.
+
+    Top-1 gets ``k = 1``; a grouped top-k the fewest groups of 2 or more experts and one kept
+    group (``k`` cut to that group's size); other routings no groups. The result may still be
+    invalid (:func:`is_valid`: a grouped top-k of an odd number of experts).
+    """
+    changes: dict[str, object] = {"routing": routing, "groups": 1, "topk_group": 1}
+    if routing == "argmax_top1":
+        changes["top_k"] = 1
+    options = group_options(case.experts_count)
+    if routing == "grouped_topk" and options:
+        changes["groups"] = options[0]
+        changes["top_k"] = min(case.top_k, case.experts_count // options[0])
+    return replace(case, **changes)
+
+
+def overflows_capacity(case: LayerCase) -> bool:
+    """Whether tokens of ``case`` overflow an expert capacity of one often (``capacity_drop``).
+
+    Any two tokens share an expert where ``2 k > E``. A grouped top-k's kept groups may
+    differ: there ``k`` fills them. A top-1 routing among at most 3 experts: most pairs do.
+    """
+    if case.routing == "grouped_topk":
+        return case.top_k == case.topk_group * (case.experts_count // case.groups)
+    if case.routing == "argmax_top1":
+        return case.experts_count <= 3
+    return 2 * case.top_k > case.experts_count
+
+
+def mutant_of(case: LayerCase, mutation: str) -> LayerCase | None:
+    """``case`` broken by ``mutation``, or None where the mutation does not apply to it.
+
+    It applies where :func:`layer_cases` would draw it: the spellings of ``MUTATION_NEEDS``,
+    two or more tokens on every static token axis (``NEEDS_TWO_TOKENS``), two or more slots
+    (``needs_two_slots``), an explicit zero point to shift (``zero_point_off``), and tokens
+    that overflow the capacity (``capacity_drop``: :func:`overflows_capacity`).
+    """
+    for axis, values in MUTATION_NEEDS.get(mutation, {}).items():
+        if case.axis_values()[axis] not in values:
+            return None
+    if mutation in NEEDS_TWO_TOKENS and min(case.token_dims) < 2:
+        return None
+    if needs_two_slots(mutation, case.routing) and case.top_k < 2:
+        return None
+    if mutation == "capacity_drop" and not overflows_capacity(case):
+        return None
+    if mutation == "zero_point_off" and case.zero_point != "explicit":
+        return None
+    return replace(case, mutation=mutation)
 
 
 def is_supported(case: LayerCase) -> bool:
@@ -402,9 +267,21 @@ def is_supported(case: LayerCase) -> bool:
     return not any(pred(case) for _, pred, _ in UNSUPPORTED_COMBINATIONS)
 
 
-def supported_cases() -> st.SearchStrategy[LayerCase]:
-    """Equivalent layers built from supported spellings only (the CI property 1)."""
-    return layer_cases(SUPPORTED).filter(is_supported)
+def supported_cases(
+    routing: str | None = None, quantized: bool | None = None
+) -> st.SearchStrategy[LayerCase]:
+    """Equivalent layers built from supported spellings only (the CI property 1).
+
+    ``routing`` and ``quantized`` (float or quantized weights) narrow the draw further.
+    """
+    allowed = dict(SUPPORTED)
+    if routing is not None:
+        allowed["routing"] = allowed["routing"] & {routing}
+    if quantized is not None:
+        allowed["weight_dtype"] = frozenset(
+            d for d in allowed["weight_dtype"] if (d != "float32") == quantized
+        )
+    return layer_cases(allowed).filter(is_supported)
 
 
 def all_cases() -> st.SearchStrategy[LayerCase]:
@@ -416,12 +293,32 @@ def _mutants(allowed: Mapping[str, frozenset] | None, mutations: tuple) -> st.Se
     return st.sampled_from(mutations).flatmap(lambda m: layer_cases(allowed, m))
 
 
-def supported_mutants(mutation: str | None = None) -> st.SearchStrategy[LayerCase]:
-    """Broken layers: a supported mutation (or ``mutation``) on a supported base (property 2)."""
+def supported_mutants(
+    mutation: str | None = None, constructed: bool | None = None
+) -> st.SearchStrategy[LayerCase]:
+    """Broken layers: a supported mutation (or ``mutation``) on a supported base (property 2).
+
+    ``constructed`` narrows the bases to those whose routing needs the routing construction
+    (``LayerCase.constructed``: True) or those the fused ops route themselves (False).
+    """
     mutations = tuple(m for m in MUTATIONS if m in SUPPORTED["mutation"])
     if mutation is not None:
         mutations = (mutation,)
-    return _mutants(SUPPORTED, mutations).filter(is_supported)
+    allowed = dict(SUPPORTED)
+    if constructed is not None:
+        family = {*CONSTRUCTED_ROUTINGS, "softmax_topk_raw"} if constructed else SOFTMAX_ROUTINGS
+        allowed["routing"] = allowed["routing"] & frozenset(family)
+    strategy = _mutants(allowed, mutations).filter(is_supported)
+    if constructed is None:
+        return strategy
+    return strategy.filter(lambda case: case.constructed == constructed)
+
+
+def mutation_applies(mutation: str, constructed: bool) -> bool:
+    """Whether ``mutation`` has supported bases of that routing family to apply to."""
+    family = {*CONSTRUCTED_ROUTINGS, "softmax_topk_raw"} if constructed else SOFTMAX_ROUTINGS
+    needs = MUTATION_NEEDS.get(mutation, {}).get("routing", frozenset(ROUTINGS))
+    return bool(needs & SUPPORTED["routing"] & frozenset(family))
 
 
 def all_mutants() -> st.SearchStrategy[LayerCase]:

@@ -1,12 +1,15 @@
 """Property tests: generated MoE spellings fuse to the right node, and broken ones are refused.
 
 (1) Every equivalent layer drawn from the supported spellings fuses (``onnx_moe_fuse.fuse``)
-into exactly the op and attributes its case records, and the fused model matches both ORT CPU
-on the original layer and the independent numpy reference within 1e-5 of max |output|.
+into exactly the op and attributes its case records (one com.microsoft node), and the fused
+model matches both ORT CPU on the original layer and the independent numpy reference within
+1e-5 of max |output|; one test per routing and weight kind (float or quantized).
 (2) Every mutant (one place broken) leaves the model byte-identical and gets a near miss whose
-reason names the broken part. Both draw from ``strategies.SUPPORTED`` only; the long run
-(``scripts/spelling_long_run.py``) measures everything else. Fixed examples (hypothesis
-profile ``spellings-ci``, derandomized): rerunning gives the same cases.
+reason names the broken part; one test per mutation and routing family (bases the fused ops
+route themselves, or bases that need the routing construction). Both draw from
+``strategies.SUPPORTED`` only; the long run (``scripts/spelling_long_run.py``) measures
+everything else. Fixed examples (hypothesis profile ``spellings-ci``, derandomized): rerunning
+gives the same cases.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from .outcomes import check_equivalent, check_mutant, relative_error, session, t
 from .reference import reference, routing
 from .strategies import (
     MUTATIONS,
+    ROUTINGS,
+    SMALL_BASE,
     SUPPORTED,
     UNSUPPORTED_COMBINATIONS,
     LayerCase,
@@ -32,32 +37,57 @@ from .strategies import (
     is_valid,
     layer_cases,
     multi_block_8bit,
+    mutation_applies,
     supported_cases,
     supported_mutants,
     unmutated,
 )
 
 CI = settings.get_profile("spellings-ci")
-LAYER_EXAMPLES = 200
-MUTANT_EXAMPLES = 12  # per supported mutation
+LAYER_EXAMPLES = 20  # per supported routing and weight kind (float, quantized)
+MUTANT_EXAMPLES = 8  # per supported mutation and routing family
+
+# Property 1's draws, one test per routing and weight kind: a refused routing fails alone.
+LAYER_KINDS = [
+    pytest.param(routing, quantized, id=f"{routing}-{'quantized' if quantized else 'float'}")
+    for routing in ROUTINGS
+    if routing in SUPPORTED["routing"]
+    for quantized in (False, True)
+]
+# Property 2's, one test per mutation and routing family (the bases the fused ops route
+# themselves, "direct", and those that need the routing construction, "constructed").
+MUTANT_KINDS = [
+    pytest.param(
+        mutation, constructed, id=f"{mutation}-{'constructed' if constructed else 'direct'}"
+    )
+    for mutation in MUTATIONS
+    if mutation in SUPPORTED["mutation"]
+    for constructed in (False, True)
+    if mutation_applies(mutation, constructed)
+]
 
 
-@settings(CI, max_examples=LAYER_EXAMPLES)
-@given(supported_cases())
-def test_equivalent_layer_fuses_to_recorded_op(case: LayerCase) -> None:
+@pytest.mark.parametrize(("routing", "quantized"), LAYER_KINDS)
+def test_equivalent_layer_fuses_to_recorded_op(routing: str, quantized: bool) -> None:
     """Property 1: the recorded op and attributes, and the same numbers as ORT and numpy."""
-    event(f"experts={case.experts}")
-    event(f"activation={case.activation}")
-    outcome = check_equivalent(case)
-    assert outcome.kind == "fused", f"{case.label()}: {outcome}"
+
+    @settings(CI, max_examples=LAYER_EXAMPLES)
+    @given(supported_cases(routing, quantized))
+    def fuses(case: LayerCase) -> None:
+        event(f"experts={case.experts}")
+        event(f"activation={case.activation}")
+        outcome = check_equivalent(case)
+        assert outcome.kind == "fused", f"{case.label()}: {outcome}"
+
+    fuses()
 
 
-@pytest.mark.parametrize("mutation", sorted(SUPPORTED["mutation"]))
-def test_mutant_is_refused_and_named(mutation: str) -> None:
+@pytest.mark.parametrize(("mutation", "constructed"), MUTANT_KINDS)
+def test_mutant_is_refused_and_named(mutation: str, constructed: bool) -> None:
     """Property 2: byte-identical output and a near miss naming the broken part."""
 
     @settings(CI, max_examples=MUTANT_EXAMPLES)
-    @given(supported_mutants(mutation))
+    @given(supported_mutants(mutation, constructed))
     def refused(case: LayerCase) -> None:
         outcome = check_mutant(case)
         assert outcome.kind == "refused", f"{case.label()}: {outcome}"
@@ -75,23 +105,32 @@ def refused_8bit_case(case: LayerCase) -> bool:
     )
 
 
-@settings(CI, max_examples=10)
-@given(layer_cases(SUPPORTED).filter(refused_8bit_case))
-def test_multi_block_8bit_is_refused_because_ort_computes_it_inexactly(case: LayerCase) -> None:
+@pytest.mark.parametrize("constructed", [False, True], ids=["direct", "constructed"])
+def test_multi_block_8bit_is_refused_because_ort_computes_it_inexactly(constructed: bool) -> None:
     """ORT CPU's block-wise 8-bit QMoE quantises activations: fusing would change the numbers."""
-    built = build_case(case)
-    source = built.model.SerializeToString()
-    result = fuse(built.model)
-    assert not result.report.fusions, case.label()
-    assert result.model.SerializeToString() == source
-    reasons = [m["reason"] for m in result.report.near_misses if m["part"] == "target"]
-    assert any("8-bit" in r and "blocks" in r for r in reasons), result.report.near_misses
+
+    @settings(CI, max_examples=10)
+    @given(
+        layer_cases(SUPPORTED)
+        .filter(refused_8bit_case)
+        .filter(lambda case: case.constructed == constructed)
+    )
+    def refused(case: LayerCase) -> None:
+        built = build_case(case)
+        source = built.model.SerializeToString()
+        result = fuse(built.model)
+        assert not result.report.fusions, case.label()
+        assert result.model.SerializeToString() == source
+        reasons = [m["reason"] for m in result.report.near_misses if m["part"] == "target"]
+        assert any("8-bit" in r and "blocks" in r for r in reasons), result.report.near_misses
+
+    refused()
 
 
 # -- the generator's own checks: a property is only as good as the layers it is fed ----------
 
 
-@settings(CI, max_examples=40)
+@settings(CI, max_examples=80)
 @given(supported_cases())
 def test_built_layer_matches_numpy_reference(case: LayerCase) -> None:
     """The built ONNX layer itself computes what the reference says (before any fusion)."""
@@ -111,7 +150,7 @@ RUNNABLE_MUTATIONS = frozenset(MUTATIONS) - {
 }
 
 
-@settings(CI, max_examples=40)
+@settings(CI, max_examples=80)
 @given(supported_mutants().filter(lambda c: c.mutation in RUNNABLE_MUTATIONS))
 def test_mutant_computes_something_else(case: LayerCase) -> None:
     """A mutant breaks equivalence: ORT tells it from its base layer at the 1e-5 tolerance.
@@ -190,3 +229,33 @@ def test_reference_routing_renormalises() -> None:
     raw, idx = routing(replace(base, routing="softmax_topk_raw"), logits)
     assert (raw.sum(axis=-1) < 1.0).all() and (np.diff(raw, axis=-1) <= 0).all()
     assert idx.shape == (5, 3)
+
+
+def _reference_case(routing: str, **changes: object) -> LayerCase:
+    return replace(SMALL_BASE, **{"routing": routing, "experts_count": 8, "top_k": 3, **changes})
+
+
+def test_reference_constructed_routings() -> None:
+    """The reference's constructed routings: factors, the biased and the group-limited choice."""
+    logits = np.random.default_rng(11).standard_normal((6, 8))
+    params = {"routing_factor": np.array(2.5), "selection_bias": np.linspace(-0.3, 0.3, 8)}
+    sigmoid = 1.0 / (1.0 + np.exp(-logits))
+    for spelling in ("sigmoid_topk_renorm_scaled", "softmax_topk_scaled", "biased_selection"):
+        w, _ = routing(_reference_case(spelling), logits, params)
+        np.testing.assert_allclose(w.sum(axis=-1), 2.5, rtol=1e-12)
+    w, idx = routing(_reference_case("sigmoid_topk"), logits)
+    np.testing.assert_array_equal(w, np.sort(sigmoid, axis=-1)[:, ::-1][:, :3])
+    w, idx = routing(_reference_case("argmax_top1", top_k=1), logits)
+    np.testing.assert_array_equal(idx[:, 0], logits.argmax(axis=-1))
+    assert (w < 1.0).all()
+    w, idx = routing(_reference_case("biased_selection"), logits, params)
+    chosen = np.argsort(-(sigmoid + params["selection_bias"]), axis=-1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(idx, chosen)  # chosen by the biased scores ...
+    unbiased = np.take_along_axis(sigmoid, idx, axis=-1)
+    np.testing.assert_allclose(w, 2.5 * unbiased / unbiased.sum(axis=-1, keepdims=True))
+    w, idx = routing(_reference_case("softmax_bias_clamp"), logits, params)
+    np.testing.assert_allclose(w.sum(axis=-1), 1.0, rtol=1e-12)
+    grouped = _reference_case("grouped_topk", groups=4, topk_group=2)
+    w, idx = routing(grouped, logits, params)
+    assert all(len(set(row // 2)) <= 2 for row in idx)  # within 2 of the 4 groups of 2
+    np.testing.assert_allclose(w.sum(axis=-1), 2.5, rtol=1e-12)

@@ -1,0 +1,166 @@
+"""The spelling axes of a generated MoE layer, its mutations, and which spellings each one needs.
+
+Data (split out of ``strategies.py``, which re-exports every name): one tuple of
+spellings per part of the layer, the :data:`MUTATIONS` that break a layer in one place, the part
+each breaks (:data:`MUTATION_PART`), the spellings each applies to (:data:`MUTATION_NEEDS`)
+and the sizes it needs to change a layer (:data:`NEEDS_TWO_TOKENS`, :func:`needs_two_slots`).
+``build.py`` / ``build_routing.py`` / ``build_experts.py`` write each spelling;
+``reference.py`` computes it.
+"""
+
+from __future__ import annotations
+
+ROUTERS = ("matmul", "matmul_bias", "gemm_transb", "einsum")
+
+#: Routings ORT's MoE/QMoE softmax computes itself (softmax over E, top-k, renormalised or not).
+SOFTMAX_ROUTINGS = (
+    "softmax_topk_div",  # Softmax, TopK, Div by the ReduceSum of the k values
+    "softmax_topk_reciprocal",  # the same, Mul by the Reciprocal of the sum
+    "topk_softmax",  # TopK of the logits, Softmax of the k values
+    "softmax_topk_raw",  # Softmax, TopK, the k values as they are
+)
+#: Routings the fused node takes through the routing construction (``docs/routing.md``): the
+#: router stays in the graph, the node is fed routing inputs built from its TopK ids and weights.
+#: Those weighing by the TopK's values:
+VALUE_ROUTINGS = (
+    "sigmoid_topk",  # Sigmoid, TopK, the k values as they are (Llama4-style scores)
+    "sigmoid_topk_renorm_scaled",  # Sigmoid, TopK, values / (ReduceSum + 1e-20) * factor
+    "softmax_topk_scaled",  # Softmax, TopK, values / ReduceSum * factor
+    "argmax_top1",  # Switch: TopK(k=1) of the Softmax, the max probability as it is
+)
+#: ... and those weighing by ``GatherElements(scores, ids)`` of unbiased scores, the ids chosen
+#: on biased ones:
+GATHER_ROUTINGS = (
+    "biased_selection",  # DeepSeek-V3 / GLM-4.5 without groups: Sigmoid; TopK(scores + bias)
+    "grouped_topk",  # DeepSeek-V3 / Dots1: the biased choice limited to the top groups
+    "softmax_bias_clamp",  # ERNIE-4.5: Softmax; TopK(probs + bias); / Clip(ReduceSum, 1e-12)
+)
+CONSTRUCTED_ROUTINGS = VALUE_ROUTINGS + GATHER_ROUTINGS
+ROUTINGS = SOFTMAX_ROUTINGS + CONSTRUCTED_ROUTINGS
+#: Routings whose weights are the top-k scores as they are (no renormalisation, no factor).
+UNNORMALISED_ROUTINGS = frozenset({"softmax_topk_raw", "sigmoid_topk", "argmax_top1"})
+#: Routings that read a Softmax of the logits (the rest: a Sigmoid, or topk_softmax's after).
+SOFTMAX_SCORED = frozenset(
+    {
+        "softmax_topk_div",
+        "softmax_topk_reciprocal",
+        "topk_softmax",
+        "softmax_topk_raw",
+        "softmax_topk_scaled",
+        "argmax_top1",
+        "softmax_bias_clamp",
+    }
+)
+
+EXPERTS = (
+    "gather_expand",  # Gather(W, idx), Unsqueeze + Expand the tokens, MatMul, Squeeze
+    "gather_reshape",  # the same, the unit axis dropped by Reshape
+    "transpose_weights",  # output-major [E, N, K] weights, Transpose in the graph
+    "einsum",  # Einsum of the tokens with the gathered weights
+    "rows_gathernd",  # torch batched_mm export: T*k rows, GatherND by flat ids, batched MatMul
+    "dense_onehot",  # every expert on every token, combine masked by OneHot
+    "dense_equal",  # every expert on every token, combine masked by Equal/Cast
+)
+ACTIVATIONS = (
+    "swiglu_separate",  # gate and up from separate experts
+    "swiglu_split",  # one FC1, Split into halves
+    "swiglu_slice",  # one FC1, Slice halves
+    "swiglu_strided",  # one FC1, step-2 Slices (interleaved)
+    "swish",  # the Swish op (opset 24)
+    "silu_x_sigmoid",  # Mul(x, Sigmoid(x))
+    "silu_sigmoid_x",  # Mul(Sigmoid(x), x)
+    "relu",
+    "gelu_tanh",  # Gelu(approximate="tanh")
+    "swiglu_oss",  # gpt-oss: strided, clamp 7, alpha 1.702, +1 on the linear side
+)
+COMBINES = (
+    "mul_reducesum",
+    "matmul_row",
+    "einsum",
+    # [B, S] tokens flattened for the experts, the mix split back: over [E, B, S, H] (dense,
+    # optimum's dense gpt-oss) or [B, S, k, H] (per slot)
+    "split_rows",
+)
+#: Combines that only some layouts write: combine -> (the experts, the ranks) it needs.
+COMBINE_NEEDS = {
+    "split_rows": (
+        frozenset({"dense_onehot", "dense_equal", "gather_expand", "gather_reshape",
+                   "transpose_weights", "einsum"}),
+        frozenset({3}),
+    )
+}  # fmt: skip
+WEIGHT_DTYPES = ("float32", "int4", "uint4", "int8", "uint8")
+GRANULARITIES = ("channel", "block32")  # scales per output channel, or per block of 32 along K
+ZERO_POINTS = ("absent", "explicit")  # explicit: 0 signed, 8 uint4, 128 uint8 (the symmetric point)
+RANKS = (2, 3)
+OPSETS = (21, 22, 23)
+SHAPES = ("static", "symbolic")
+
+MUTATIONS = (
+    "softmax_axis",  # the router Softmax normalises over another axis than the experts
+    "topk_axis",  # TopK selects along another axis than the experts
+    "swap_gate_up",  # the SiLU's sigmoid reads the up projection instead of the gate
+    "fc2_other_indices",  # FC2 gathers experts by other indices than FC1
+    "erf_gelu",  # exact (erf) GELU where MoE's gelu is the tanh approximation
+    "dropped_clamp",  # gpt-oss SwiGLU with the gate clamp removed (the linear clamp kept)
+    "router_second_input",  # the router reads a second graph input, not the tokens
+    "router_token_slice",  # the router reads the tokens reversed along the token axis
+    "zero_point_off",  # the zero point is one off the symmetric point
+    "weight_graph_input",  # FC1's weights (or codes) are a graph input, not a constant
+    # the routing weights are not the per-selected non-negative weights of this TopK:
+    "weights_other_experts",  # taken at other experts than the ids FC1/FC2 gather
+    "weights_other_token",  # taken from the next token's row (rolled along the token axis)
+    "negative_weight",  # can be negative (raw logits, or the weights minus 0.5)
+    "capacity_drop",  # zeroed past an expert capacity of 1 token (Switch/GShard dropping)
+)
+
+# The part each mutation breaks; the fuser's near miss must name it (outcomes.PART_WORDS).
+MUTATION_PART = {
+    "softmax_axis": "routing",
+    "topk_axis": "routing",
+    "swap_gate_up": "activation",
+    "fc2_other_indices": "experts",
+    "erf_gelu": "activation",
+    "dropped_clamp": "activation",
+    "router_second_input": "router",
+    "router_token_slice": "router",
+    "zero_point_off": "weights",
+    "weight_graph_input": "weights",
+    "weights_other_experts": "routing",
+    "weights_other_token": "routing",
+    "negative_weight": "routing",
+    "capacity_drop": "routing",
+}
+
+#: Mutations that tell their layer from its base only with two or more tokens (on a token axis
+#: they read across: reversed, rolled, softmaxed or counted over tokens).
+NEEDS_TWO_TOKENS = frozenset(
+    {"router_token_slice", "softmax_axis", "weights_other_token", "capacity_drop"}
+)
+
+
+def needs_two_slots(mutation: str | None, routing: str) -> bool:
+    """Whether ``mutation`` on ``routing`` changes the layer only with two or more slots.
+
+    Reversing the k slots of one is no change, and neither is taking another token's weight
+    where the routing renormalises the k weights (one renormalised weight is 1, or the factor).
+    """
+    if mutation == "weights_other_experts":
+        return True
+    return mutation == "weights_other_token" and routing not in UNNORMALISED_ROUTINGS
+
+
+SWIGLU = frozenset(a for a in ACTIVATIONS if a.startswith("swiglu"))
+GATHERED = frozenset(e for e in EXPERTS if not e.startswith("dense"))
+QUANTIZED = frozenset(WEIGHT_DTYPES) - {"float32"}
+
+# Mutations that only make sense on some spellings: axis -> the spellings they need.
+MUTATION_NEEDS: dict[str, dict[str, frozenset]] = {
+    "softmax_axis": {"routing": SOFTMAX_SCORED},
+    "swap_gate_up": {"activation": SWIGLU},
+    "fc2_other_indices": {"experts": GATHERED},
+    "erf_gelu": {"activation": frozenset({"gelu_tanh"}), "weight_dtype": frozenset({"float32"})},
+    "dropped_clamp": {"activation": frozenset({"swiglu_oss"})},
+    "zero_point_off": {"weight_dtype": QUANTIZED},
+    "weights_other_experts": {"routing": frozenset(ROUTINGS) - {"argmax_top1"}},
+}
