@@ -45,7 +45,9 @@ path's numpy code (:data:`REFERENCE_OP_CLASSES`, from :mod:`onnx_moe_fuse.verify
 ``MatMulNBits`` (what ORT's ``MatMulNBitsQuantizer`` writes, and the projections a fused-for-CPU
 attention prelude keeps), ``SimplifiedLayerNormalization`` and
 ``SkipSimplifiedLayerNormalization``. Plain ``onnx.reference`` does not know them, and the
-unfused parts of a model must compute the same on every path of the checker.
+unfused parts of a model must compute the same on every path of the checker; for the same
+reason the standard ``GatherElements`` runs in the reference path's own code, which reads a
+negative ``axis`` as the spec does (onnx 1.23's does not).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
 
 * ``GroupedMatMul`` (default domain, opset 29) -> :func:`onnx_moe_fuse.verify.oracles.
   grouped_matmul.grouped_matmul`;
+* ``GatherElements`` with its negative ``axis`` read from the end (onnx 1.23's own misreads
+  ``axis=-1``, which routers exported by torch.onnx use);
 * ``com.microsoft.MoE`` -> :func:`onnx_moe_fuse.verify.oracles.moe.moe`
   (:mod:`.reference_moe`);
 * ``com.microsoft.QMoE`` -> :func:`onnx_moe_fuse.verify.oracles.moe.qmoe` (:mod:`.reference_moe`;
@@ -99,8 +101,29 @@ class GroupedMatMul(OpRun):
         return (grouped_matmul(input, weights, group_indices, bias),)
 
 
+class GatherElements(OpRun):
+    """ONNX ``GatherElements`` with a negative ``axis`` read as the spec says (from the end).
+
+    onnx 1.23's reference compares the other dims with ``shape[:axis] + shape[axis + 1:]``,
+    which for ``axis=-1`` is every dim but none: torch.onnx exports of ``scores.gather(-1,
+    idx)`` (ERNIE-4.5, DeepSeek-V3 routers) then fail there. ``out[..., j] = data[..., idx]``
+    along ``axis``, negative indices counted from the end, as ONNX Runtime computes it.
+    """
+
+    op_domain = ""
+
+    def _run(self, data: np.ndarray, indices: np.ndarray, axis: int = 0) -> tuple[np.ndarray]:  # type: ignore[override]
+        axis = int(axis) % data.ndim
+        idx = indices.astype(np.int64)
+        idx = np.where(idx < 0, idx + data.shape[axis], idx)
+        # the other axes of the indices may be shorter than the data's (spec: output = indices)
+        lead = tuple(slice(0, n) if a != axis else slice(None) for a, n in enumerate(idx.shape))
+        return (np.take_along_axis(data[lead], idx, axis=axis),)
+
+
 CUSTOM_OPS: tuple[type[OpRun], ...] = (
     GroupedMatMul,
+    GatherElements,
     MoE,
     QMoE,
     MatMulNBits,

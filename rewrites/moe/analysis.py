@@ -208,7 +208,7 @@ def finish_layer(
         routing = routing.as_selected(b["routing_weights"])
     if routing.selected:
         with part("routing"):
-            _selected_routing(routing, tokens, root, e)
+            _selected_routing(routing, tokens, root, e, r)
     with part("region"):
         if matched is not None:
             _weights_stay_inside(fc1, fc2, matched)
@@ -384,7 +384,9 @@ def _router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
     )
 
 
-def _selected_routing(routing: Routing, tokens: ir.Value, root: ir.Node, num_experts: int) -> None:
+def _selected_routing(
+    routing: Routing, tokens: ir.Value, root: ir.Node, num_experts: int, token_rank: int
+) -> None:
     """The router-agnostic routing: the selection and its weights are each token's own."""
     topk = routing.topk
     weights = routing.weights
@@ -405,8 +407,12 @@ def _selected_routing(routing: Routing, tokens: ir.Value, root: ir.Node, num_exp
     scores = topk.inputs[0]
     dims = value_dims(scores)
     rank = len(dims) if dims is not None else static_rank(scores)
+    if rank is None:  # a TopK's outputs have its input's rank
+        rank = static_rank(topk.outputs[0]) or static_rank(routing.weights) or token_rank
     if scores is None or rank is None:
-        raise Refusal(f"the rank of what TopK '{label(topk)}' selects from is unknown", topk)
+        raise Refusal(
+            f"the rank of the router scores TopK '{label(topk)}' selects from is unknown", topk
+        )
     prove_selected_weights(weights, topk, tokens, rank - 1)
     reason = value_refusal(topk.outputs[1], weights, num_experts)
     if reason is not None:  # what the construction needs of the graph values (dtypes, shapes)

@@ -123,6 +123,9 @@ def _rows_rank(b: Mapping[str, Any]) -> None:
     score_rank = static_rank(scores)
     if score_rank is None:
         score_rank = static_rank(b.get("topk_values"))
+    if score_rank is None:  # a router that masks or gathers: its dims as the graph fixes them
+        dims = value_dims(scores)
+        score_rank = len(dims) if dims is not None else None
     for value, rank, what in (
         (tokens, static_rank(tokens), "the tokens the rows repeat, [T, H]"),
         (scores, score_rank, "the router scores, [T, E]"),

@@ -40,7 +40,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
-from onnx_moe_fuse.rewrites.moe.token_rows import ELEMENTWISE, prove_token_rows
+from onnx_moe_fuse.rewrites.graph.token_rows import ELEMENTWISE, prove_token_rows
 
 __all__ = ["nonnegative", "prove_selected_weights", "same_indices"]
 
@@ -266,7 +266,10 @@ def prove_selected_weights(weights: ir.Value, topk: ir.Node, tokens: ir.Value, l
     scores = topk.inputs[0]
     assert scores is not None
     prove_token_rows(
-        scores, tokens, lead, f"the selection TopK '{label(topk)}' reads '{value_label(scores)}'"
+        scores,
+        tokens,
+        lead,
+        f"the router: the selection TopK '{label(topk)}' reads '{value_label(scores)}'",
     )
     kind = _Slots(topk, tokens, lead).kind(weights)
     if kind != SLOT:

@@ -112,3 +112,25 @@ def test_every_topk_router_family_fuses_in_both_implementations() -> None:
     for family in TOPK_ROUTER_FAMILIES:
         for impl in ("batched_mm", "grouped_mm"):
             assert (family, impl) in fused, (family, impl)
+
+
+def _one_export_per_family(families: tuple[str, ...]) -> list[str]:
+    """The first float32 export (index order) of each of ``families`` that fuses."""
+    chosen: dict[str, str] = {}
+    for name, record in RECORDS.items():
+        if record["family"] in families and record["dtype"] == "float32" and record["expected"]:
+            chosen.setdefault(record["family"], name)
+    return [chosen[f] for f in families if f in chosen]
+
+
+@pytest.mark.parametrize("name", _one_export_per_family(TOPK_ROUTER_FAMILIES))
+def test_topk_router_family_passes_verify(name: str) -> None:
+    """``--verify``'s check (the project's WebGPU kernels and ORT) on a fused router family."""
+    from onnx_moe_fuse.verify.checker import verify
+
+    original = onnx.load(CAUSAL / RECORDS[name]["file"])
+    fused = fuse(original).model
+    report = verify(original, fused, seeds=(3, 4))
+    assert report.passed, report.summary()
+    for path in ("wgpu", "ort"):
+        assert report.paths[path].status == "passed", report.summary()

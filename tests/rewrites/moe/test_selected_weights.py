@@ -13,8 +13,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.graph.token_rows import prove_token_rows
 from onnx_moe_fuse.rewrites.moe.selected_weights import nonnegative, prove_selected_weights
-from onnx_moe_fuse.rewrites.moe.token_rows import prove_token_rows
 
 H, E, K = 8, 6, 2
 

@@ -125,7 +125,7 @@ def _combine_dense(mask: DenseWeights) -> Combine:
         unsq = only_consumer(user.outputs[0], "the transposed dense weights")
         if is_op(unsq, "Reshape"):  # the [B, S] split that the split-rows spelling did not undo
             raise Refusal(
-                f"{label(unsq)}: the dense weights are split into token rows that are not "
+                f"{label(unsq)}: the dense routing weights are split into token rows that are not "
                 "proved to be the expert outputs' rows split the same way",
                 unsq,
             )

@@ -65,6 +65,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.emit import Emitter
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP, Projection, read_mlp
 from onnx_moe_fuse.rewrites.canonical.experts.dense.layer import DenseLayer
 from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import (
+    CapacityRefusal,
     DenseWeights,
     mask_users,
     read_dense_weights,
@@ -72,6 +73,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import (
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, read_routing
 from onnx_moe_fuse.rewrites.graph.facts import label, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import DENSE_EXPERTS, Refusal, part
+from onnx_moe_fuse.rewrites.graph.token_rows import prove_token_rows
 
 __all__ = [
     "CanonicalDenseExpertsPass",
@@ -173,14 +175,25 @@ def _check_token_rows(routing: Routing, mlps: list[ExpertMLP], stacked: bool) ->
         for p in mlp.fc1
     ]
     rows = reads[0][2]
+    tokens = routing.tokens
     with part("routing"):
         if routing.router is None:
-            raise Refusal(
-                f"cannot read the router behind TopK '{label(routing.topk)}' back to a MatMul "
-                f"of the token rows '{value_label(rows)}' the experts read",
-                routing.topk,
+            scores = routing.topk.inputs[0]
+            if rows is None or scores is None:
+                raise Refusal(
+                    f"cannot read the router behind TopK '{label(routing.topk)}' back to a "
+                    f"MatMul of the token rows '{value_label(rows)}' the experts read",
+                    routing.topk,
+                )
+            # a router that masks or biases its scores (group-limited top-k): row by row
+            prove_token_rows(
+                scores,
+                rows,
+                (routing.scores_rank or 2) - 1,
+                f"the router: TopK '{label(routing.topk)}' reads '{value_label(scores)}'",
             )
-        if rows is not None and all(r is rows for _, _, r in reads) and rows is not routing.tokens:
+            routing.tokens = tokens = rows  # what the emission reads as the tokens
+        elif rows is not None and all(r is rows for _, _, r in reads) and rows is not tokens:
             router = routing.router
             raise Refusal(
                 f"the router {router.op_type} '{label(router)}' reads "
@@ -190,7 +203,7 @@ def _check_token_rows(routing: Routing, mlps: list[ExpertMLP], stacked: bool) ->
             )
     with part("fc1"):
         for e, p, r in reads:
-            if r is not routing.tokens:
+            if r is not tokens:
                 where = f"expert {e}: " if not stacked else ""
                 raise Refusal(
                     f"{where}an FC1 projection does not read the router's tokens", p.nodes[0]
@@ -293,6 +306,8 @@ def _analyse(topk: ir.Node) -> tuple[DenseLayer | None, Refusal | None, bool]:
     """
     try:
         parts = _recognise(topk)
+    except CapacityRefusal as exc:  # a dense layer for sure, with a capacity limit
+        return None, exc, True
     except Exception as exc:  # noqa: BLE001 - a Refusal, or an unreadable part: both refuse
         return None, _refusal(exc), False
     if parts is None:

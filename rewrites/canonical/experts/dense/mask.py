@@ -224,6 +224,28 @@ def _scatter_dense(
     return sc.outputs[0], w
 
 
+class CapacityRefusal(Refusal):
+    """The TopK's ids are also counted over the tokens: a capacity limit (GShard, Switch).
+
+    The layer is a dense MoE for sure (its mask is there), so the pass records this refusal.
+    """
+
+
+def _token_count(masks: list[ir.Node]) -> ir.Node | None:
+    """A CumSum over the token axis (axis 0) that a mask's value reaches within a few ops."""
+    todo = [(o, 0) for m in masks for o in m.outputs]
+    while todo:
+        value, depth = todo.pop()
+        for user in consumers(value):
+            if user.op_type == "CumSum":
+                axis = const_array(user.inputs[1]) if len(user.inputs) > 1 else None
+                if axis is not None and int(np.asarray(axis).reshape(-1)[0]) == 0:
+                    return user
+            if depth < 4:
+                todo.extend((o, depth + 1) for o in user.outputs)
+    return None
+
+
 def read_dense_weights(routing: Routing) -> DenseWeights | None:
     """The mask built from ``routing``'s indices; None when they feed no mask at all."""
     masks = mask_users(routing.indices)
@@ -238,7 +260,14 @@ def _read_mask(routing: Routing, masks: list[ir.Node]) -> DenseWeights:
     per_expert = [n for n in masks if is_op(n, "Equal") and idx in n.inputs]
     at_once = [n for n in masks if n not in per_expert]
     direct = [n for n in consumers(idx) if n.op_type in MASK_OPS or _unsqueezed_ids(n, idx)]
-    if len(direct) != len(consumers(idx)) or idx.is_graph_output():
+    # the routing weights may read the scores at the selected experts (DeepSeek-V3's
+    # scores.gather(1, idx)): those reads stay outside the dense block the pass rewrites
+    gathers = [
+        n
+        for n in consumers(idx)
+        if is_op(n, "GatherElements") and len(n.inputs) > 1 and n.inputs[1] is idx
+    ]
+    if len(direct) + len(gathers) != len(consumers(idx)) or idx.is_graph_output():
         raise Refusal("the expert ids feed something besides the mask", routing.topk)
     nodes: list[ir.Node] = []
     if per_expert and not at_once:
@@ -258,6 +287,15 @@ def _read_mask(routing: Routing, masks: list[ir.Node]) -> DenseWeights:
             raise Refusal(f"no mask for experts {missing} of E = {routing.experts}", routing.topk)
         return DenseWeights(w, columns, None, nodes)
     if len(at_once) != 1 or per_expert:
+        counted = _token_count(masks)
+        if counted is not None:
+            raise CapacityRefusal(
+                f"the expert ids are also counted over the tokens (CumSum '{label(counted)}' "
+                "along the token axis): a capacity limit that drops tokens from the routing, "
+                "which no fused node computes",
+                counted,
+                part="routing",
+            )
         raise Refusal("the expert ids feed more than one mask", routing.topk)
     (mask,) = at_once
     if is_op(mask, "ScatterElements"):

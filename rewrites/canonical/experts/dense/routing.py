@@ -34,6 +34,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 
 __all__ = ["Routing", "check_weights", "read_routing", "router_reads"]
 
@@ -100,6 +101,9 @@ def read_routing(topk: ir.Node) -> Routing:
     scores = topk.inputs[0]
     k = const_ints(topk.inputs[1]) if len(topk.inputs) > 1 else None
     experts = static_last_dim(scores) if scores is not None else None
+    if experts is None and scores is not None:  # masked scores (group-limited top-k): derived dims
+        dims = value_dims(scores)
+        experts = dims[-1].coef if dims and not dims[-1].syms else None
     if k is None or len(k) != 1 or experts is None or not 1 <= k[0] <= experts:
         with part("routing"):
             raise Refusal(
@@ -109,6 +113,9 @@ def read_routing(topk: ir.Node) -> Routing:
     router = router_reads(scores)
     tokens = router.inputs[0] if router is not None else None
     rank = static_rank(scores)
+    if rank is None and scores is not None:
+        dims = value_dims(scores)
+        rank = len(dims) if dims is not None else None
     return Routing(topk, topk.outputs[1], topk.outputs[0], experts, k[0], tokens, router, rank)
 
 
@@ -137,11 +144,21 @@ def router_reads(scores: ir.Value) -> ir.Node | None:
     return None
 
 
+#: Ops through which ``[T, k]`` weights are made from the TopK's values (with scalars or per-row
+#: values; Slice/Concat/Where may also regroup them): the identity of the rewrite holds for any
+#: ``[T, k]`` weights, so which ones MoE can carry (per slot of the selection, non-negative) is
+#: the layer rules' proof (``moe.selected_weights``), whose near miss names the node.
+_SLOT_WISE = frozenset(
+    {"Div", "Mul", "Reciprocal", "Identity", "Cast", "Softmax", "Add", "Sub", "Max", "Min",
+     "Clip", "Sigmoid", "Exp", "Relu", "Abs", "Sqrt", "Neg", "Pow", "Slice", "Concat", "Where"}
+)  # fmt: skip
+
+
 def _keeps_slots(node: ir.Node) -> bool:
     """An op that maps ``[T, k]`` values (and scalars) to ``[T, k]`` or a broadcast ``[T, 1]``."""
     if node.domain not in STD:
         return False
-    if node.op_type in ("Div", "Mul", "Reciprocal", "Identity", "Cast", "Softmax"):
+    if node.op_type in _SLOT_WISE:
         return True  # a Softmax over any axis keeps the shape (the rules prove the axis)
     return (
         node.op_type == "ReduceSum"
@@ -166,6 +183,15 @@ def check_weights(w: ir.Value, routing: Routing) -> None:
             seen.add(id(v))
             if v is routing.values:
                 seen_values = True
+                continue
+            gather = v.producer()
+            if (
+                gather is not None
+                and gather.op_type == "GatherElements"
+                and len(gather.inputs) > 1
+                and gather.inputs[1] is routing.indices
+            ):
+                seen_values = True  # scores taken at the selected experts: one per slot
                 continue
             arr = const_array(v)
             if arr is not None and arr.size == 1:

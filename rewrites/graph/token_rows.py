@@ -109,7 +109,7 @@ def _constant_like(value: ir.Value | None) -> bool:
     return False
 
 
-_SAME_RANK = ELEMENTWISE | {"Concat", "Slice", "Softmax", "LogSoftmax", "CumSum", "TopK"}
+_SAME_RANK = ELEMENTWISE | {"Concat", "Slice", "Softmax", "LogSoftmax", "CumSum", "TopK", "MatMul"}
 
 
 def _rank(value: ir.Value, depth: int = 0) -> int | None:
