@@ -8,6 +8,9 @@ written as its upstream code does:
   correction bias, weights gathered from the unbiased softmax and divided by
   ``clamp(sum, min=eps)``;
 * :func:`switch_top1` (fuses): Switch-style top-1: the largest softmax probability is the weight;
+* :func:`switch_argmax` (fuses): the same written as ``torch.max(probs, dim)`` exports it:
+  ``ArgMax`` for the expert, ``ReduceMax`` for the weight (``keepdims=0`` then ``Unsqueeze``,
+  or ``keepdims=1``);
 
 and four traps, each a router that is *not* per-selected non-negative weights of the experts
 FC1/FC2 use, refused with the router part named:
@@ -30,6 +33,7 @@ __all__ = [
     "capacity_drop",
     "ernie_clamped",
     "negative_weights",
+    "switch_argmax",
     "switch_top1",
     "weights_other_experts",
     "weights_other_token",
@@ -82,6 +86,28 @@ def switch_top1(seed: int = 61) -> HandwrittenLayer:
     g.output("y", ["T", h])
     return HandwrittenLayer(
         g.model(21), "Switch top-1: weight = the largest probability", Fused("MoE", {"k": 1})
+    )
+
+
+def switch_argmax(seed: int = 66, keepdims: int = 0) -> HandwrittenLayer:
+    """Switch top-1 as ``torch.max(probs, dim=-1)`` exports it: ArgMax + ReduceMax."""
+    rng = np.random.default_rng(seed)
+    h, i, e, _ = _DIMS
+    g = Graph("switch_argmax_router")
+    x = g.input("x", ["T", h])
+    probs = g.op("Softmax", [_router(g, rng, x, e)], "router_probs", axis=-1)
+    axes = g.init("last", [-1])
+    idx = g.op("ArgMax", [probs], "expert_index", axis=-1, keepdims=keepdims)
+    top = g.op("ReduceMax", [probs, axes], "max_prob", keepdims=keepdims)
+    if not keepdims:
+        idx = g.op("Unsqueeze", [idx, axes], "expert_index_k")
+        top = g.op("Unsqueeze", [top, axes], "max_prob_k")
+    routed_experts(g, rng, x, idx, top, (h, i, e, 1))
+    g.output("y", ["T", h])
+    return HandwrittenLayer(
+        g.model(21),
+        f"Switch top-1 via ArgMax + ReduceMax (keepdims={keepdims})",
+        Fused("MoE", {"k": 1}),
     )
 
 

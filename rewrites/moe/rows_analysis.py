@@ -58,6 +58,7 @@ from onnx_moe_fuse.rewrites.moe.analysis import (
     routing_form,
     with_bias,
 )
+from onnx_moe_fuse.rewrites.moe.selected_weights import same_indices
 
 __all__ = ["analyse_rows_layer"]
 
@@ -181,7 +182,7 @@ def _expert_ids(
 ) -> None:
     """``ids = Unsqueeze(Reshape(topk_indices, [-1]), [-1])``: ``[T*k, 1]`` in row order."""
     idx = b.get(f"{tag}_indices")
-    if idx is not topk_idx:
+    if not same_indices(idx, topk_idx):
         raise Refusal(
             f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
             f"'{value_label(topk_idx)}'",

@@ -42,7 +42,7 @@ from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 from onnx_moe_fuse.rewrites.graph.token_rows import ELEMENTWISE, prove_token_rows
 
-__all__ = ["nonnegative", "prove_selected_weights", "same_indices"]
+__all__ = ["nonnegative", "prove_selected_weights", "same_indices", "same_topk"]
 
 SLOT, ROW, CONSTANT = "slot", "row", "constant"
 _LAYOUT = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
@@ -58,19 +58,57 @@ _MAX_DEPTH = 64
 
 
 def same_indices(value: ir.Value | None, idx: ir.Value) -> bool:
-    """``value`` is ``idx`` up to Cast/Identity and reshapes that keep its elements in order."""
+    """``value`` is ``idx`` up to Cast/Identity and reshapes that keep its elements in order.
+
+    The indices of a TopK that computes the same as ``idx``'s (:func:`same_topk`) are ``idx``.
+    """
+    made_by = idx.producer()
     for _ in range(8):
         if value is None:
             return False
         if value is idx:
             return True
         node = value.producer()
+        if (
+            node is not None
+            and made_by is not None
+            and made_by.op_type == "TopK"
+            and value.index() == 1
+            and idx.index() == 1
+            and same_topk(node, made_by)
+        ):
+            return True
         if node is None or node.op_type not in ("Cast", "Identity", "Reshape") or not node.inputs:
             return False
         if node.op_type == "Reshape" and value_dims(value) != value_dims(node.inputs[0]):
             return False
         value = node.inputs[0]
     return False
+
+
+def same_topk(node: ir.Node, selection: ir.Node) -> bool:
+    """``node`` is ``selection`` or computes the same: the same scores, k, axis and order.
+
+    (The top-1 spellings turn ``ArgMax`` and ``ReduceMax`` of one row into two such TopKs.)
+    """
+    if node is selection:
+        return True
+    if node.op_type != "TopK" or node.domain not in ("", "ai.onnx"):
+        return False
+    if len(node.inputs) != len(selection.inputs) or node.inputs[0] is not selection.inputs[0]:
+        return False
+    k, k_sel = const_array(node.inputs[1]), const_array(selection.inputs[1])
+    if k is None or k_sel is None or not np.array_equal(np.ravel(k), np.ravel(k_sel)):
+        return False
+    rank = static_rank(node.inputs[0])
+    axes = [attr_int(n, "axis", -1) for n in (node, selection)]
+    if None in axes:
+        return False
+    norm = axes if rank is None else normalize_axes(axes, rank)
+    return norm is not None and norm[0] == norm[1] and all(
+        attr_int(node, name, default) == attr_int(selection, name, default)
+        for name, default in (("largest", 1), ("sorted", 1))
+    )
 
 
 def nonnegative(value: ir.Value | None, _depth: int = 0) -> bool:
@@ -148,7 +186,7 @@ class _Slots:
             )
         op = node.op_type
         if op == "TopK":
-            if node is self.topk and value.index() == 0:
+            if value.index() == 0 and same_topk(node, self.topk):
                 return SLOT
             what = "indices" if value.index() == 1 else "values"
             raise self.fail(

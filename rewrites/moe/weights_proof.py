@@ -35,6 +35,7 @@ from onnx_moe_fuse.rewrites.moe.plan import (
 from onnx_moe_fuse.rewrites.moe.routing_proof import (
     dims_text,
 )
+from onnx_moe_fuse.rewrites.moe.selected_weights import same_indices
 
 # -- 4. experts --------------------------------------------------------------------------------
 
@@ -244,7 +245,7 @@ def expert(
 ) -> ExpertWeights:
     """Prove one projection ``[*, k, N]`` of the selected experts; return its weights."""
     idx = b.get(f"{tag}_indices")
-    if idx is not topk_idx:
+    if not same_indices(idx, topk_idx):
         raise Refusal(
             f"{role} selects experts with '{value_label(idx)}', not the routing TopK's indices "
             f"'{value_label(topk_idx)}'",

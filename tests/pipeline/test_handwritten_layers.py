@@ -372,6 +372,8 @@ REFERENCES = {
     "router_phimoe_sparse_mixer": ref_phimoe,
     "router_ernie_clamped": ref_ernie,
     "router_switch_top1": ref_switch,
+    "router_switch_argmax": ref_switch,
+    "router_switch_argmax_keepdims": ref_switch,
     "router_trap_other_experts": ref_other_experts,
     "router_trap_other_token": ref_other_token,
     "router_trap_negative": ref_negative,

@@ -17,6 +17,9 @@ value name), one family of small rules per module:
 * :mod:`.tile`: ``Tile`` that repeats only unit axes -> ``Expand``;
 * :mod:`.split_rows`: Reshapes that split token rows around a combine's ``Mul`` and
   ``ReduceSum`` moved below them; a ``Tile`` of rows regrouped by copy -> ``Expand``;
+* :mod:`.selection`: ``ArgMax`` (first maximum) and the ``ReduceMax`` of the same row ->
+  ``TopK(k=1)`` indices and values;
+* :mod:`.squeeze`: ``Unsqueeze(Squeeze(x, a), a)`` -> ``x``;
 * :mod:`.einsum`: two-operand ``Einsum`` -> ``MatMul``/``Transpose``/``Unsqueeze``/
   ``Squeeze`` (``Mul``/``ReduceSum`` when nothing is contracted).
 
@@ -43,7 +46,9 @@ from onnx_moe_fuse.rewrites.canonical.spellings.cast import cast_rules, eliminat
 from onnx_moe_fuse.rewrites.canonical.spellings.clamp import clamp_rules
 from onnx_moe_fuse.rewrites.canonical.spellings.common import FreshNames
 from onnx_moe_fuse.rewrites.canonical.spellings.einsum import einsum_rules
+from onnx_moe_fuse.rewrites.canonical.spellings.selection import selection_rules
 from onnx_moe_fuse.rewrites.canonical.spellings.split_rows import split_rows_rules
+from onnx_moe_fuse.rewrites.canonical.spellings.squeeze import squeeze_rules
 from onnx_moe_fuse.rewrites.canonical.spellings.tile import tile_rules
 
 __all__ = ["MAX_ROUNDS", "NormalizeSpellingsPass", "spelling_rules"]
@@ -64,6 +69,8 @@ def spelling_rules(names: FreshNames, opset: int) -> list[pattern.RewriteRule]:
         *tile_rules(names, opset),
         *einsum_rules(names, opset),
         *split_rows_rules(names, opset),
+        *selection_rules(names, opset),
+        *squeeze_rules(names, opset),
     ]
 
 
