@@ -249,7 +249,7 @@ FAMILIES: list[Family] = [
             "intermediate_size": EXPERT_INTERMEDIATE,
             "intermediate_size_mlp": DENSE_INTERMEDIATE,
             "num_local_experts": 4,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": 1,  # Llama 4 Scout and Maverick route top-1
             "head_dim": 32,
             "interleave_moe_layer_step": 1,
             "attention_chunk_size": 8,

@@ -75,6 +75,7 @@ from export_records import (  # noqa: E402
     spellings,
     versions,
 )
+from export_transformers_llama4 import LLAMA4_SPECS, llama4_moe_inputs  # noqa: E402
 from export_transformers_specs import (  # noqa: E402
     CHECK_SHAPES,
     HIDDEN,
@@ -87,6 +88,8 @@ from export_transformers_specs import (  # noqa: E402
     _FirstOutput,
     build_mixtral,
 )
+
+SPECS = [*SPECS, *LLAMA4_SPECS]
 
 # -- export --------------------------------------------------------------------------------------
 
@@ -281,9 +284,15 @@ def expected_moe_check(
     experts = block.experts
     with torch.no_grad():
         h = torch.from_numpy(x).reshape(-1, HIDDEN)
-        logits, top_w, top_i = router(h)
-        want = experts(h, top_i, top_w).numpy()
-        if getattr(experts, "is_transposed", False):  # gpt-oss: [E, in, out], interleaved
+        if type(block).__name__ == "Llama4TextMoe":
+            h, logits, want, fc1, fc2 = llama4_moe_inputs(block, h)
+            fc1_bias = fc2_bias = None
+        else:
+            logits, top_w, top_i = router(h)
+            want = experts(h, top_i, top_w).numpy()
+        if type(block).__name__ == "Llama4TextMoe":
+            pass
+        elif getattr(experts, "is_transposed", False):  # gpt-oss: [E, in, out], interleaved
             fc1 = experts.gate_up_proj.transpose(1, 2).numpy()
             fc2 = experts.down_proj.transpose(1, 2).numpy()
             fc1_bias = experts.gate_up_proj_bias.numpy()

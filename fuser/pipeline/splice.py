@@ -169,8 +169,11 @@ def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dic
                 )
             g.add_edge(("n", id(producer)), ("n", id(node)))
             todo.append(producer)
+    upstream = _ancestors([v for v in boundary if id(v) in reached])
     for v in boundary:
-        if id(v) not in reached:
+        # a value the fused node reads beside a reached one it is computed into (Llama4's
+        # router logits, upstream of the scores that scale the tokens) is no other input
+        if id(v) not in reached and id(v) not in upstream:
             raise Refusal(
                 f"the fused node reads '{v.name}', which the layer in the model does not",
                 v,
@@ -178,6 +181,22 @@ def _region(output: ir.Value, boundary: list[ir.Value]) -> tuple[nx.DiGraph, dic
             )
     _add_dead_feeders(g, region, boundary)
     return g, region
+
+
+def _ancestors(values: list[ir.Value], limit: int = 4096) -> set[int]:
+    """The ids of every value the given values are computed from (bounded walk)."""
+    seen: set[int] = set()
+    todo = list(values)
+    while todo and len(seen) < limit:
+        v = todo.pop()
+        node = v.producer()
+        if node is None:
+            continue
+        for x in node.inputs:
+            if x is not None and id(x) not in seen:
+                seen.add(id(x))
+                todo.append(x)
+    return seen
 
 
 def _add_dead_feeders(g: nx.DiGraph, region: dict[int, ir.Node], boundary: list[ir.Value]) -> None:

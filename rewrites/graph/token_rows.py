@@ -37,7 +37,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 
-__all__ = ["ELEMENTWISE", "prove_token_rows", "row_source"]
+__all__ = ["ELEMENTWISE", "prove_token_rows", "row_origins", "row_source"]
 
 #: Element-wise ops: each output element reads the elements at its own position (broadcast).
 ELEMENTWISE = frozenset(
@@ -154,8 +154,9 @@ def _uniform(array: np.ndarray) -> bool:
 class _Walk:
     """One proof: values already shown row-wise, by id, with their token-axis count."""
 
-    def __init__(self, tokens_root: ir.Value, what: str) -> None:
-        self.tokens_root = tokens_root
+    def __init__(self, roots: tuple[ir.Value, ...], what: str) -> None:
+        self.roots = roots
+        self.tokens_root = roots[0]
         self.what = what
         self.done: dict[int, int] = {}
         self.nodes = 0
@@ -174,7 +175,8 @@ class _Walk:
         """Prove ``value`` row-wise with ``lead`` token axes; raise the first failure."""
         if self.done.get(id(value)) == lead:
             return
-        if row_source(value) is self.tokens_root:
+        source = row_source(value)
+        if any(source is root for root in self.roots):
             self.done[id(value)] = lead
             return
         node = value.producer()
@@ -238,7 +240,7 @@ class _Walk:
                 continue
             seen.add(id(v))
             p = v.producer()
-            if p is None or v is self.tokens_root:
+            if p is None or any(v is root for root in self.roots):
                 raise self.fail(
                     f"{user.op_type} '{label(user)}' mixes the rows with '{value_label(value)}', "
                     "which depends on the graph's inputs but has no token axis",
@@ -395,4 +397,33 @@ def prove_token_rows(value: ir.Value, tokens: ir.Value, lead: int, what: str) ->
     ``lead``: the token axes of ``value`` (its rank minus one for ``[..., E]`` scores);
     ``what`` names the value in the reason (``"the selection TopK 'x' reads ..."``).
     """
-    _Walk(row_source(tokens), what).value(value, lead)
+    _Walk(row_origins(tokens), what).value(value, lead)
+
+
+def row_origins(tokens: ir.Value) -> tuple[ir.Value, ...]:
+    """The values whose rows are the token rows, row for row: ``row_source(tokens)`` first.
+
+    Where the tokens are rows scaled by a per-row factor, ``Mul(x, f)`` with ``f [..., 1]``
+    computed row by row from ``x`` (Llama4 scales each token by its router score before the
+    expert), row ``t`` of the tokens is made from row ``t`` of ``x`` alone, so a router that
+    reads ``x`` routes each token by its own row as well: ``x``'s row source is an origin too.
+    """
+    root = row_source(tokens)
+    node = root.producer()
+    if node is None or node.op_type != "Mul" or node.domain not in ("", "ai.onnx"):
+        return (root,)
+    if len(node.inputs) != 2 or None in node.inputs:
+        return (root,)
+    rank = _rank(root)
+    for rows, factor in (node.inputs, node.inputs[::-1]):
+        if rank is None or _rank(rows) != rank or _rank(factor) != rank:
+            continue
+        dims, feature, out = value_dims(factor), value_dims(rows), value_dims(root)
+        if not dims or not feature or not out or dims[-1] != Dim.of(1) or feature[-1] != out[-1]:
+            continue
+        try:
+            _Walk((row_source(rows),), "the token scale").value(factor, rank - 1)
+        except Refusal:
+            continue
+        return (root, row_source(rows))
+    return (root,)

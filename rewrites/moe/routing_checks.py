@@ -26,6 +26,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
+from onnx_moe_fuse.rewrites.graph.token_rows import row_origins
 from onnx_moe_fuse.rewrites.moe.routing_construction import value_refusal
 from onnx_moe_fuse.rewrites.moe.routing_proof import Routing
 from onnx_moe_fuse.rewrites.moe.selected_weights import prove_selected_weights
@@ -131,13 +132,14 @@ def router_rows(logits: ir.Value, tokens: ir.Value, hidden: int) -> None:
             continue
         break
     node = src.producer()
-    token_root = _row_source(tokens, hidden)
+    origins = [_row_source(o, hidden) for o in row_origins(tokens)]
     projection = node is not None and (
         node.op_type == "MatMul" or (node.op_type == "Gemm" and attr_int(node, "transA", 0) == 0)
     )
     if projection and node.inputs[0] is not None:
         reads = node.inputs[0]
-        if _row_source(reads, hidden) is token_root:
+        source = _row_source(reads, hidden)
+        if any(source is origin for origin in origins):
             return
         raise Refusal(
             f"the router {node.op_type} '{label(node)}' reads '{value_label(reads)}', not the token rows "

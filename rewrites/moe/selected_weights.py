@@ -105,9 +105,13 @@ def same_topk(node: ir.Node, selection: ir.Node) -> bool:
     if None in axes:
         return False
     norm = axes if rank is None else normalize_axes(axes, rank)
-    return norm is not None and norm[0] == norm[1] and all(
-        attr_int(node, name, default) == attr_int(selection, name, default)
-        for name, default in (("largest", 1), ("sorted", 1))
+    return (
+        norm is not None
+        and norm[0] == norm[1]
+        and all(
+            attr_int(node, name, default) == attr_int(selection, name, default)
+            for name, default in (("largest", 1), ("sorted", 1))
+        )
     )
 
 

@@ -231,8 +231,9 @@ def quantized(model: onnx.ModelProto, along_input: bool = True) -> onnx.ModelPro
 
 def test_every_batched_mm_export_is_expected_to_fuse() -> None:
     batched = sorted(p.stem for p in EXPORTED.glob("*_batched_mm*.onnx"))
-    assert batched == FUSING
-    assert UNFUSED == ["mixtral_eager_torchscript", "mixtral_grouped_mm"]
+    assert sorted([*batched, "llama4_text_moe"]) == FUSING  # Llama4's own dense experts, top-1
+    # Llama4 at top-2 scales one token by two scores: no fused node computes it
+    assert UNFUSED == ["llama4_text_moe_top2", "mixtral_eager_torchscript", "mixtral_grouped_mm"]
 
 
 def test_grouped_mm_export_fuses_like_its_batched_mm_twin() -> None:
@@ -262,7 +263,36 @@ def test_grouped_mm_export_fuses_like_its_batched_mm_twin() -> None:
     assert_matches_reference(original, result.model)
 
 
-@pytest.mark.parametrize("name", FUSING)
+BATCHED_FUSING = [n for n in FUSING if "_batched_mm" in n]
+
+
+def test_llama4_top1_fuses_over_its_scaled_tokens() -> None:
+    """Llama4's dense experts with input-scaling scores: one MoE over ``x * score``, weight 1.
+
+    The router stays as written (its scores scale the tokens); the experts, the E-fold tiled
+    rows and the sum over experts are gone; the top-2 block stays unchanged, naming k.
+    """
+    record, original = RECORDS["llama4_text_moe"], load("llama4_text_moe")
+    result = fuse(original)
+    counts = collections.Counter((n.domain or "", n.op_type) for n in result.model.graph.node)
+    assert {op: c for (d, op), c in counts.items() if d == MS} == {"MoE": 1}
+    assert counts[("", "TopK")] == 1 and counts[("", "ScatterElements")] == 1
+    assert counts[("", "Tile")] == 0 and counts[("", "ReduceSum")] == 0
+    assert not result.report.near_misses, result.report.near_misses
+    node = fused_node(result.model)
+    attrs = node_attributes(node)
+    for key, value in record["expected_attributes"].items():
+        assert attrs[key] == pytest.approx(value), (key, attrs[key], value)
+    scaled = producer(result.model, node.input[0])
+    assert scaled.op_type == "Mul"
+    assert {producer(result.model, i).op_type for i in scaled.input} >= {"GatherElements"}
+    refused = fuse(load("llama4_text_moe_top2"))
+    assert not refused.report.fusions
+    (miss,) = refused.report.near_misses
+    assert miss["part"] == "routing" and "k = 2" in miss["reason"], miss
+
+
+@pytest.mark.parametrize("name", BATCHED_FUSING)
 def test_export_fuses_as_recorded(name: str) -> None:
     record, original = RECORDS[name], load(name)
     result = fuse(original)

@@ -156,7 +156,11 @@ def test_record_describes_committed_file(name: str) -> None:
     else:
         assert rec["expected_attributes"] is None
         assert rec["expected_note"]
-        assert rec["equivalent_moe_check"]["max_rel_err"] <= RTOL
+        if rec["computes"]["top_k"] > 1 and "input scaled" in rec["computes"]["combine"]:
+            # Llama4 with k > 1: no fused node computes it, so there is no equivalent to check
+            assert "equivalent_moe_check" not in rec
+        else:
+            assert rec["equivalent_moe_check"]["max_rel_err"] <= RTOL
 
 
 @pytest.mark.parametrize("name", BATCHED_MM)

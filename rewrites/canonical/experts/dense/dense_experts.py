@@ -70,6 +70,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import (
     mask_users,
     read_dense_weights,
 )
+from onnx_moe_fuse.rewrites.canonical.experts.dense.prescaled import read_prescaled
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, read_routing
 from onnx_moe_fuse.rewrites.graph.facts import label, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import DENSE_EXPERTS, Refusal, part
@@ -304,6 +305,18 @@ def _analyse(topk: ir.Node) -> tuple[DenseLayer | None, Refusal | None, bool]:
     weighted by its values), so the block is a dense MoE layer for sure; a refusal before
     that may be about a block that is no MoE layer at all.
     """
+    try:
+        prescaled = read_prescaled(topk)
+    except Exception as exc:  # noqa: BLE001 - recognised as input-scaled, then refused
+        return None, _refusal(exc), True
+    if prescaled is not None:
+        routing, mask, combine, mlp, prescale = prescaled
+        layer = DenseLayer(routing, mask, combine, [mlp], prescale)
+        try:
+            _check_escapes(layer)
+        except Refusal as exc:
+            return None, exc, True
+        return layer, None, True
     try:
         parts = _recognise(topk)
     except CapacityRefusal as exc:  # a dense layer for sure, with a capacity limit

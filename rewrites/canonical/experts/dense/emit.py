@@ -73,15 +73,15 @@ class Emitter:
         return self.initializer(base, np.array(values, dtype=np.int64))
 
     def node(
-        self, op: str, inputs, base: str, num_outputs: int = 1, domain: str = "", **attrs
+        self, op: str, inputs, base: str, output_count: int = 1, domain: str = "", **attrs
     ) -> ir.Node:
         """A new node with fresh output names (appended to ``new_nodes``).
 
         ``attrs`` are Python values or ``ir.Attr`` objects (copied).
         """
         outs = [
-            ir.Value(name=self.fresh(f"{base}_{i}" if num_outputs > 1 else base))
-            for i in range(num_outputs)
+            ir.Value(name=self.fresh(f"{base}_{i}" if output_count > 1 else base))
+            for i in range(output_count)
         ]
         converted = [
             ir.Attr(k, v.type, v.value) if isinstance(v, ir.Attr) else None
@@ -139,6 +139,12 @@ class Emitter:
         layer, mlps = self.layer, self.layer.mlps
         routing = layer.routing
         tokens, idx, w = routing.tokens, routing.indices, layer.mask.weights
+        if layer.prescale is not None:  # Llama4: the selected score scales the token, weight 1
+            picked = self.node(
+                "GatherElements", [layer.prescale.scores, idx], "token_scale", axis=-1
+            )
+            tokens = self.node("Mul", [tokens, picked.outputs[0]], "scaled_tokens").outputs[0]
+            w = self.node("Softmax", [layer.prescale.values], "unit_weights", axis=-1).outputs[0]
         mapping: dict[int, ir.Value] = {}
         for j, proj in enumerate(mlps[0].fc1):
             weight, bias = self.projection_inputs(j, f"fc1_{j}")

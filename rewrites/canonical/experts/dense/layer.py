@@ -7,6 +7,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites.canonical.experts.dense.combine import Combine
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP
 from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import DenseWeights
+from onnx_moe_fuse.rewrites.canonical.experts.dense.prescaled import Prescale
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing
 
 __all__ = ["DenseLayer"]
@@ -16,10 +17,19 @@ class DenseLayer:
     """A proved dense layer: its routing, mask, combine and expert MLPs."""
 
     def __init__(
-        self, routing: Routing, mask: DenseWeights, combine: Combine, mlps: list[ExpertMLP]
+        self,
+        routing: Routing,
+        mask: DenseWeights,
+        combine: Combine,
+        mlps: list[ExpertMLP],
+        prescale: Prescale | None = None,
     ) -> None:
-        """Hold the proved parts; ``mlps`` is one per expert, or one stacked MLP."""
+        """Hold the proved parts; ``mlps`` is one per expert, or one stacked MLP.
+
+        ``prescale``: the router scores scale the experts' input (Llama4, :mod:`.prescaled`).
+        """
         self.routing, self.mask, self.combine, self.mlps = routing, mask, combine, mlps
+        self.prescale = prescale
 
     @property
     def stacked(self) -> bool:

@@ -41,7 +41,13 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, chec
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, label
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
-__all__ = ["DenseWeights", "mask_users", "read_dense_weights"]
+__all__ = [
+    "CapacityRefusal",
+    "DenseWeights",
+    "fill_like_scores",
+    "mask_users",
+    "read_dense_weights",
+]
 
 _FLOAT_TYPES = frozenset(
     int(t)
@@ -181,30 +187,46 @@ def _weighted_onehot(
     return red.outputs[0], w
 
 
-def _zeros_like_scores(z: ir.Value | None, routing: Routing) -> bool:
-    """``z`` is zeros of the router scores' shape ``[T, E]``."""
+def fill_like_scores(z: ir.Value | None, routing: Routing) -> np.ndarray | None:
+    """The one value ``z`` holds everywhere when it is a fill of the scores' shape ``[T, E]``.
+
+    ``ConstantOfShape(Shape(scores))`` or ``Expand(c, Shape(scores))`` (scores: what the TopK
+    reads, or the logits under its Softmax/Sigmoid); None otherwise.
+    """
     node = z.producer() if z is not None else None
     if node is None or node.domain not in STD:
-        return False
+        return None
     if node.op_type == "ConstantOfShape":
         attr = node.attributes.get("value")
-        fill = 0.0 if attr is None else np.asarray(attr.value.numpy()).reshape(-1)
+        fill = np.zeros(1, np.float32) if attr is None else np.asarray(attr.value.numpy())
         shape_src = node.inputs[0]
     elif node.op_type == "Expand":
         fill, shape_src = const_array(node.inputs[0]), node.inputs[1]
     else:
-        return False
-    if fill is None or np.any(np.asarray(fill) != 0):
-        return False
+        return None
+    if fill is None or np.asarray(fill).size == 0 or not np.all(fill == np.ravel(fill)[0]):
+        return None
     shape = shape_src.producer() if shape_src is not None else None
-    if not is_op(shape, "Shape") or shape.attributes:
-        return False
+    if not is_op(shape, "Shape") or not _whole_shape(shape):
+        return None
     src = shape.inputs[0]
     scores = routing.topk.inputs[0]
     before = scores.producer() if scores is not None else None
-    return src is scores or (
+    same = src is scores or (
         before is not None and before.op_type in ("Softmax", "Sigmoid") and src is before.inputs[0]
     )
+    return np.ravel(fill)[:1] if same else None
+
+
+def _whole_shape(shape: ir.Node) -> bool:
+    """A ``Shape`` node of every axis (no ``end``, ``start`` absent or 0)."""
+    return "end" not in shape.attributes and attr_int(shape, "start", 0) == 0
+
+
+def _zeros_like_scores(z: ir.Value | None, routing: Routing) -> bool:
+    """``z`` is zeros of the router scores' shape ``[T, E]``."""
+    fill = fill_like_scores(z, routing)
+    return fill is not None and bool(np.all(fill == 0))
 
 
 def _scatter_dense(

@@ -1,0 +1,288 @@
+"""Read Llama4's dense experts, whose router score scales each expert's *input*.
+
+transformers' ``Llama4TextMoe`` runs every expert on every token and routes by scaling the
+expert's input rows, not its output::
+
+    vals, idx = TopK(logits [T, E], k)
+    S = g(ScatterElements(fill c of [T, E], idx, vals))     g: Sigmoid (Cast, Identity, Relu)
+    routed_in = Tile(x, [E, 1]) * Reshape(Transpose(S), [-1, 1])     row e*T + t: x_t * S[t, e]
+    Y = FFN(Reshape(routed_in, [E, -1, H]))                 one MLP over stacked [E, K, N]
+    out = ReduceSum(Y, [0], keepdims=0)                     [T, H]
+
+With ``g(c) = 0`` (``sigmoid(-inf)``) the experts not selected read zero rows; when every
+expert maps a zero row to zero (no biases and an activation that is 0 at 0, evaluated here)
+they add nothing, and with ``k = 1`` the layer is ``out_t = FFN_{idx_t}(x_t * S[t, idx_t])``:
+the per-slot layer over the scaled tokens ``x' = x * GatherElements(S, idx)`` with the weight
+``Softmax(vals)`` over the one slot, which is exactly 1. :func:`read_prescaled` proves that
+and returns the layer for :class:`~.emit.Emitter` with :class:`Prescale` telling it to scale
+the tokens. With ``k > 1`` a token enters k experts at k different scales, which one input
+row per token cannot carry: refused, naming the router. Exact for finite tokens (an infinite
+token times a zero score is NaN in the model's unselected experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx.reference import ReferenceEvaluator
+
+from onnx_moe_fuse.rewrites.canonical.experts.dense.combine import Combine
+from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
+    STD,
+    const_array,
+    const_ints,
+    consumers,
+    is_op,
+    node_axes,
+    only_consumer,
+    other_operand,
+)
+from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP, read_mlp
+from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import DenseWeights, fill_like_scores
+from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, read_routing
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, label
+from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
+
+__all__ = ["Prescale", "read_prescaled"]
+
+#: Element-wise ops allowed between the scatter and the scores S (``g``), with numpy meanings.
+_SCORE_MAPS = {
+    "Sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v)),
+    "Relu": lambda v: np.maximum(v, 0),
+    "Identity": lambda v: v,
+    "Cast": lambda v: v,
+}
+
+
+@dataclass(frozen=True)
+class Prescale:
+    """The tokens are scaled by ``scores`` gathered at the selection before the experts."""
+
+    scores: ir.Value  # S [T, E]
+    values: ir.Value  # the TopK's values (softmaxed over the one slot: weight 1)
+
+
+def _score_chain(scatter: ir.Node) -> tuple[ir.Value, list[ir.Node]]:
+    """Follow the single-use element-wise ops ``g`` from the scatter to the scores S."""
+    value, chain = scatter.outputs[0], []
+    while True:
+        users = consumers(value)
+        if len(users) != 1 or users[0].op_type not in _SCORE_MAPS or users[0].domain not in STD:
+            return value, chain
+        if users[0].op_type == "Cast" and attr_int(users[0], "to", 0) not in (1, 10, 11, 16):
+            return value, chain
+        chain.append(users[0])
+        value = users[0].outputs[0]
+
+
+def _scatter_of_selection(routing: Routing) -> ir.Node | None:
+    users = [n for n in consumers(routing.indices) if is_op(n, "ScatterElements")]
+    if len(users) != 1:
+        return None
+    sc = users[0]
+    if (
+        len(sc.inputs) < 3
+        or sc.inputs[1] is not routing.indices
+        or sc.inputs[2] is not routing.values
+    ):
+        return None
+    return sc
+
+
+def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
+    """``Reshape(Transpose(S, [1, 0]), [-1, 1])``: S column-major as ``[E*T, 1]``."""
+    tr = only_consumer(scores, "the router scores S")
+    perm = tr.attributes.get("perm")
+    if not is_op(tr, "Transpose") or perm is None or list(perm.as_ints()) != [1, 0]:
+        raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
+    rs = only_consumer(tr.outputs[0], "the transposed scores")
+    if not is_op(rs, "Reshape") or const_ints(rs.inputs[1]) != [-1, 1]:
+        raise Refusal(f"{label(rs)}: the [E, T] scores are not flattened to [E*T, 1]", rs)
+    return rs.outputs[0], [tr, rs]
+
+
+def _repeated_tokens(value: ir.Value | None, tokens: ir.Value, experts: int) -> list[ir.Node]:
+    """``Tile(x, [E, 1])`` (x under a no-op ``Expand(x, [1, 1])``): E copies of the rows."""
+    tile = value.producer() if value is not None else None
+    if not is_op(tile, "Tile") or const_ints(tile.inputs[1]) != [experts, 1]:
+        raise Refusal("the scaled rows are not the tokens tiled E times (Tile [E, 1])", value)
+    nodes, inner = [tile], tile.inputs[0]
+    expand = inner.producer() if inner is not None else None
+    if is_op(expand, "Expand") and set(const_ints(expand.inputs[1]) or [0]) == {1}:
+        if len(const_ints(expand.inputs[1])) <= 2:
+            nodes.append(expand)
+            inner = expand.inputs[0]
+    if inner is not tokens:
+        raise Refusal(
+            f"{label(tile)} tiles '{inner.name if inner else None}', not the router's tokens", tile
+        )
+    return nodes
+
+
+def _zero_row_is_zero(mlp: ExpertMLP) -> bool:
+    """Every expert maps a zero row to zero: no biases, and act(0, ...) = 0 (evaluated)."""
+    if any(p.bias is not None for p in (*mlp.fc1, mlp.fc2)):
+        return False
+    inputs, inits, produced = [], [], {id(o) for n in mlp.act_nodes for o in n.outputs}
+    feeds: dict[str, np.ndarray] = {}
+    names: dict[int, str] = {}
+    for j, p in enumerate(mlp.fc1):
+        # float32 zeros: every op of an activation maps 0 to the same in any float type
+        # one row of the projection's rank (a stacked [E, T, N] activation splits along axis 2)
+        row = (1,) * (len(p.weight.shape) - 1) + (int(p.weight.shape[-1]),)
+        feeds[f"fc1_{j}"] = np.zeros(row, dtype=np.float32)
+        names[id(p.out)] = f"fc1_{j}"
+        inputs.append(onnx.helper.make_tensor_value_info(f"fc1_{j}", 1, None))
+    nodes = []
+    for n in mlp.act_nodes:
+        ins = []
+        for v in n.inputs:
+            if v is None:
+                ins.append("")
+                continue
+            if id(v) not in names:
+                if id(v) in produced:
+                    names[id(v)] = f"v{len(names)}"
+                else:
+                    array = const_array(v)
+                    if array is None:
+                        return False
+                    names[id(v)] = f"c{len(names)}"
+                    inits.append(onnx.numpy_helper.from_array(np.asarray(array), names[id(v)]))
+            ins.append(names[id(v)])
+        outs = []
+        for o in n.outputs:
+            names.setdefault(id(o), f"v{len(names)}")
+            outs.append(names[id(o)])
+        attrs = {k: a.value for k, a in n.attributes.items() if not a.is_ref()}
+        nodes.append(onnx.helper.make_node(n.op_type, ins, outs, **attrs))
+    out_name = names.get(id(mlp.act_out))
+    if out_name is None:
+        return False
+    graph = onnx.helper.make_graph(
+        nodes, "act", inputs, [onnx.helper.make_tensor_value_info(out_name, 1, None)], inits
+    )
+    try:
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+        (out,) = ReferenceEvaluator(model).run(None, feeds)
+    except Exception:  # noqa: BLE001 - an activation the evaluator cannot run is not proved
+        return False
+    return bool(np.all(np.asarray(out) == 0))
+
+
+def read_prescaled(
+    topk: ir.Node,
+) -> tuple[Routing, DenseWeights, Combine, ExpertMLP, Prescale] | None:
+    """The input-scaled dense layer routed by ``topk``; None when ``topk`` routes no such layer.
+
+    Recognised by its mask: the selection scattered into a fill ``c`` of the scores' shape,
+    mapped by ``g`` with ``g(c) = 0``, scaling E tiled copies of the tokens. Once that is seen,
+    every other failure is a :class:`Refusal` naming the part.
+    """
+    if topk.op_type != "TopK" or topk.domain not in STD or len(topk.outputs) < 2:
+        return None
+    try:
+        routing = read_routing(topk)
+    except Refusal:
+        return None
+    scatter = _scatter_of_selection(routing)
+    if scatter is None or attr_str(scatter, "reduction", "none") != "none":
+        return None
+    if attr_int(scatter, "axis", 0) not in (1, -1):
+        return None
+    fill = fill_like_scores(scatter.inputs[0], routing)
+    if fill is None:
+        return None
+    scores, chain = _score_chain(scatter)
+    g_fill = np.asarray(fill, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        for n in chain:
+            g_fill = _SCORE_MAPS[n.op_type](g_fill)
+    if not np.all(g_fill == 0):
+        return None
+    users = consumers(scores)
+    if len(users) != 1 or not is_op(users[0], "Transpose"):
+        return None
+    return _prove(routing, scatter, chain, scores)
+
+
+def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.Value):
+    e = routing.experts
+    with part("routing"):
+        routing.require_selection()
+        if routing.k != 1:
+            raise Refusal(
+                f"the router scores scale each expert's input and TopK '{label(routing.topk)}' "
+                f"selects k = {routing.k}: a token enters k experts at k different scales, "
+                "which a fused node (one input row per token) cannot express",
+                routing.topk,
+            )
+        if routing.tokens is None:
+            raise Refusal(
+                f"cannot read the router behind TopK '{label(routing.topk)}'", routing.topk
+            )
+    with part("combine"):
+        column, col_nodes = _column_of(scores)
+        mul = only_consumer(column, "the scores column")
+        if not is_op(mul, "Mul"):
+            raise Refusal(f"{label(mul)}: the scores column does not scale the tokens", mul)
+        tiled = other_operand(mul, column)
+        tile_nodes = _repeated_tokens(tiled, routing.tokens, e)
+        view = only_consumer(mul.outputs[0], "the scaled rows")
+        shape = const_ints(view.inputs[1]) if is_op(view, "Reshape") else None
+        if shape is None or len(shape) != 3 or shape[0] != e or shape[1] != -1:
+            raise Refusal(f"{label(view)}: the scaled rows are not regrouped to [E, T, H]", view)
+        root = _sum_over_experts(view.outputs[0])
+    y = root.inputs[0]
+    combine_nodes = [root]
+    inner = y.producer() if y is not None else None
+    if is_op(inner, "Reshape") and const_ints(inner.inputs[1]) == shape:
+        combine_nodes.append(inner)
+        y = inner.inputs[0]
+    mlp = read_mlp(y, rank=3)
+    with part("fc1"):
+        for p in mlp.fc1:
+            if p.lhs is not view.outputs[0]:
+                raise Refusal("an FC1 projection does not read the scaled token rows", p.nodes[0])
+            if len(p.weight.shape) != 3 or p.weight.shape[0] != e:
+                raise Refusal(
+                    f"stacked weights {p.weight.shape} are not [E = {e}, K, N]", p.nodes[0]
+                )
+    with part("fc2"):
+        if len(mlp.fc2.weight.shape) != 3 or mlp.fc2.weight.shape[0] != e:
+            raise Refusal(
+                f"stacked weights {mlp.fc2.weight.shape} are not [E, K, N]", mlp.fc2.nodes[0]
+            )
+    with part("activation"):
+        if not _zero_row_is_zero(mlp):
+            raise Refusal(
+                "the unselected experts read zero rows, and an expert does not map a zero row "
+                "to zero (a bias, or an activation that is not 0 at 0): they would add to the "
+                "output, which a fused node does not compute",
+                mlp.fc2.nodes[0],
+            )
+    mask = DenseWeights(routing.values, None, None, [*col_nodes, mul, *tile_nodes, view])
+    combine = Combine(root, None, y, combine_nodes)
+    return routing, mask, combine, mlp, Prescale(scores, routing.values)
+
+
+def _sum_over_experts(grouped: ir.Value) -> ir.Node:
+    """The ``ReduceSum(Y, [0], keepdims=0)`` after the MLP of ``grouped`` (found downstream)."""
+    todo, seen = [grouped], set()
+    while todo:
+        v = todo.pop()
+        for user in consumers(v):
+            if id(user) in seen:
+                continue
+            seen.add(id(user))
+            if is_op(user, "ReduceSum") and node_axes(user) == [0]:
+                if attr_int(user, "keepdims", 1) != 0:
+                    raise Refusal(
+                        f"{label(user)}: the sum over experts keeps the expert axis", user
+                    )
+                return user
+            todo.extend(user.outputs)
+    raise Refusal("no sum over the expert axis after the experts", grouped)
