@@ -199,12 +199,9 @@ FAMILIES: list[Family] = [
             "renormalised": None,
             "shared_expert": None,
         },
-        expected_layer=lambda c: _refused(
-            "router",
-            "sparsemixer routing (two masked softmaxes around the first and second maximum, "
-            "threshold 2 * router_jitter_noise) is not softmax top-k: no MoE normalisation "
-            "computes it",
-        ),
+        # Two top-1 rounds, the second with the first choice at -inf: the columns of one
+        # TopK(logits, 2), with per-selected non-negative (masked-softmax) weights.
+        expected_layer=lambda c: _moe_topk(c.num_experts_per_tok),
     ),
     Family(
         name="deepseek_v3",

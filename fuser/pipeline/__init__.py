@@ -33,7 +33,7 @@ is when it can tell: a sort of the ids (grouped_mm exports) or a one-hot mask (a
 experts), with the refusal the canonicalisation pass recorded for it while it ran.
 A router MoE/QMoE cannot express (sigmoid scores, a selection bias, a group-limited top-k, a
 scaling factor, PhiMoE's sparse mixer: :mod:`onnx_moe_fuse.rewrites.moe.routers`) is reported as
-"router not fused" (or "not fusable" for a sparse mixer), naming its form, once per router, with the scores node as ``router``.
+"router not fused", naming its form, once per router, with the scores node as ``router``.
 Near misses of layers that did fuse in the end are dropped.
 
 One pass a module: :mod:`.fuse_moe_layers`, :mod:`.fuse_qkv`, :mod:`.remove_dead_code`,

@@ -30,6 +30,7 @@ from onnx_moe_fuse.pipeline.report import FusionReport
 from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_origin
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
 from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
+from onnx_moe_fuse.rewrites.graph.selection_rounds import selection_round
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     FUSED_OPS,
@@ -300,7 +301,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         for node in work.graph:
             if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
                 continue
-            if node.outputs[0].name in fused_topks:
+            if node.outputs[0].name in fused_topks or _round_of_fused(node, fused_topks):
                 continue
             reason, dense = unrecognised(node, refusals)
             part = None
@@ -350,3 +351,14 @@ def shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
             if attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
                 out.append((attr.value, attr.value.name))
     return out
+
+
+def _round_of_fused(node: ir.Node, fused_topks: set[str]) -> bool:
+    """A top-1 round (PhiMoE's) of a selection that fused: part of a router, not a layer."""
+    found = selection_round(node.outputs[1]) if len(node.outputs) > 1 else None
+    if found is None:
+        return False
+    return any(
+        user.op_type == "TopK" and user.outputs[0].name in fused_topks
+        for user in found.logits.consumers()
+    )

@@ -318,7 +318,7 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
     # a router fed as its selection and weights fuses where its experts do: a canonical pass's
     # record of why it left this layer (weights not constant, ...) says more
     passes_said = any(r.topk is topk for r in refusals)
-    if router is not None and (router.startswith("router not fusable") or not passes_said):
+    if router is not None and not passes_said:
         return router, False
     if "argsort" in uses:
         # the sorted-experts pass left this block: its refusal says which link it could not show

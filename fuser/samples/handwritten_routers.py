@@ -14,8 +14,9 @@ with the router named:
   only, group-limited top-k (top-2 sum per group, top groups, masked scores), weights gathered
   from the unbiased scores, renormalised and multiplied by ``routed_scaling_factor``;
 * :func:`softmax_scaled` (fuses): softmax top-k renormalised, then times a scaling factor;
-* :func:`phimoe_sparse_mixer` (refused): PhiMoE's sparse mixer (two rounds of a masked softmax
-  with a jitter threshold, the second with the first choice masked out: no single TopK).
+* :func:`phimoe_sparse_mixer` (fuses): PhiMoE's sparse mixer (two rounds of a masked softmax
+  with a jitter threshold, the second with the first choice masked out: the rounds are the two
+  columns of one TopK, :mod:`onnx_moe_fuse.rewrites.graph.selection_rounds`).
 """
 
 from __future__ import annotations
@@ -246,10 +247,11 @@ def phimoe_sparse_mixer(seed: int = 53) -> HandwrittenLayer:
     weights = g.op("Concat", [w1, w2], "multiplier", axis=1)
     idx = g.op("Concat", [c1, c2], "selected_experts", axis=1)
     routed_experts(g, rng, x, idx, weights, (h, i, e, k))
-    return _finish(
-        g,
-        h,
+    g.output("y", ["T", h])
+    # the two rounds are the two columns of TopK(logits, 2); the masked-softmax weights are
+    # per slot and non-negative: the routing construction carries them exactly
+    return HandwrittenLayer(
+        g.model(21),
         f"PhiMoE sparse mixer (top-2, jitter {PHIMOE_JITTER})",
-        "router_logits",
-        "sparse mixer",
+        Fused("MoE", {"k": k}),
     )

@@ -93,11 +93,6 @@ def router_near_miss(topk: ir.Node) -> str | None:
     why = _WHY.get(form.kind)
     if form.fusable or why is None or form.description.startswith(_GROUP_STEP):
         return None
-    if form.kind == "sparse_mixer":
-        return (
-            f"router not fusable ({_HEADS[form.kind]}): {topk.op_type} '{label(topk)}' routes by "
-            f"{form.description}; MoE and QMoE route by one top-k selection, {why}"
-        )
     return (
         f"router not fused ({_HEADS[form.kind]}): {topk.op_type} '{label(topk)}' routes by "
         f"{form.description}; {why}"
@@ -127,8 +122,8 @@ _WHY = {
     "biased_selection": _SELECTED,
     "group_limited_topk": _SELECTED,
     "scaled": _SELECTED,
-    "sparse_mixer": "while the sparse mixer chooses each expert by its own ArgMax round and "
-    "weighs it by its own masked softmax: there is no single TopK selection to feed",
+    # the rounds are the columns of one TopK (graph.selection_rounds): a selection to feed
+    "sparse_mixer": _SELECTED,
 }
 
 

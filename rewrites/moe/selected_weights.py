@@ -39,6 +39,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.graph.selection_rounds import selection_round
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 from onnx_moe_fuse.rewrites.graph.token_rows import ELEMENTWISE, prove_token_rows
 
@@ -154,14 +155,29 @@ def nonnegative(value: ir.Value | None, _depth: int = 0) -> bool:
     return False
 
 
+def _width(value: ir.Value | None) -> int | None:
+    """The static last dim of ``value``, from its shape or its derived dims."""
+    if value is None:
+        return None
+    width = static_last_dim(value)
+    if width is None:
+        dims = value_dims(value)
+        width = dims[-1].coef if dims and not dims[-1].syms else None
+    return width
+
+
 class _Slots:
     """Classify the values behind the weights: slot, row or constant (or refuse)."""
 
-    def __init__(self, topk: ir.Node, tokens: ir.Value, lead: int) -> None:
+    def __init__(
+        self, topk: ir.Node, tokens: ir.Value, lead: int, column: int | None = None
+    ) -> None:
+        """``column``: classify one slot's weight ``[..., 1]`` (an operand of a Concat)."""
         self.topk = topk
         self.idx = topk.outputs[1]
         self.tokens = tokens
         self.lead = lead
+        self.column = column
         self.memo: dict[int, str] = {}
 
     def fail(self, reason: str, where: ir.Node | ir.Value) -> Refusal:
@@ -190,8 +206,10 @@ class _Slots:
             )
         op = node.op_type
         if op == "TopK":
-            if value.index() == 0 and same_topk(node, self.topk):
+            if value.index() == 0 and same_topk(node, self.topk) and self.column is None:
                 return SLOT
+            if value.index() == 0 and self.is_column(node.outputs[1]):
+                return SLOT  # the value of the round that selected slot ``column``
             what = "indices" if value.index() == 1 else "values"
             raise self.fail(
                 f"the routing weights read the {what} of TopK '{label(node)}', not the values "
@@ -200,6 +218,8 @@ class _Slots:
             )
         if op == "GatherElements":
             return self.gathered(node)
+        if op == "Concat" and self.column is None:
+            return self.slot_columns(node, depth)
         if op == "Softmax" or op in _REDUCE:
             return self.along_slots(node, value, depth)
         if op in _LAYOUT:
@@ -256,7 +276,10 @@ class _Slots:
                 "not over the experts (last axis)",
                 node,
             )
-        if not same_indices(indices, self.idx):
+        at_selection = (
+            self.is_column(indices) if self.column is not None else same_indices(indices, self.idx)
+        )
+        if not at_selection:
             raise self.fail(
                 f"GatherElements '{label(node)}' gathers the routing weights at "
                 f"'{value_label(indices)}', not at the experts the selection TopK "
@@ -270,6 +293,43 @@ class _Slots:
             f"the scores the routing weights are gathered from ('{value_label(data)}')",
         )
         return SLOT
+
+    def is_column(self, indices: ir.Value | None) -> bool:
+        """``indices`` are column ``self.column`` of the selection: its top-1 round of that rank.
+
+        The selection TopK must be sorted and largest-first over the round's logits
+        (:mod:`onnx_moe_fuse.rewrites.graph.selection_rounds`).
+        """
+        found = selection_round(indices)
+        topk = self.topk
+        return (
+            found is not None
+            and found.column == self.column
+            and found.logits is topk.inputs[0]
+            and attr_int(topk, "largest", 1) == 1
+            and attr_int(topk, "sorted", 1) == 1
+        )
+
+    def slot_columns(self, node: ir.Node, depth: int) -> str:
+        """``Concat`` of one-column weights along the slots: column j is slot j's weight."""
+        rank = static_rank(self.idx) or len(value_dims(self.idx) or []) or None
+        axis = attr_int(node, "axis", None)
+        widths = [_width(v) for v in node.inputs]
+        if rank is None or axis is None or normalize_axes([axis], rank) != [rank - 1]:
+            raise self.fail(
+                f"Concat '{label(node)}' joins the routing weights along axis {axis}, not the slots",
+                node,
+            )
+        if any(w != 1 for w in widths):
+            raise self.fail(
+                f"Concat '{label(node)}' joins routing weights that are not one slot each "
+                f"(widths {widths})",
+                node,
+            )
+        kinds = set()
+        for j, v in enumerate(node.inputs):
+            kinds.add(_Slots(self.topk, self.tokens, self.lead, column=j).kind(v, depth))
+        return SLOT if SLOT in kinds else ROW if ROW in kinds else CONSTANT
 
     def along_slots(self, node: ir.Node, value: ir.Value, depth: int) -> str:
         """A Softmax over the k slots (slot) or a reduction over them (row); else refuse."""

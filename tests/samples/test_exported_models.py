@@ -238,6 +238,7 @@ ROUTER_FORMS = {
 }
 NORMALISED_ROUTERS = {"softmax_topk", "topk_softmax"}
 TOPK_ROUTERS = {
+    "sparsemixer",  # PhiMoE: two top-1 rounds are the columns of one TopK
     "sigmoid_bias_group_topk",
     "sigmoid_bias_topk",
     "softmax_bias_topk",

@@ -122,7 +122,7 @@ _SAME_TYPE_OPS = frozenset(
     Gelu Gemm HardSigmoid HardSwish Identity LeakyRelu Log MatMul Max Min Mul Neg Pow
     Reciprocal ReduceMax ReduceMean ReduceMin ReduceSum Relu Reshape Round Sigmoid Sign Sin
     Slice Softmax Softplus Split Sqrt Squeeze Sub Swish Tanh Tile Transpose Unsqueeze
-    Einsum Concat CumSum Pad Sum Mean LogSoftmax""".split()
+    Einsum Concat CumSum Pad Sum Mean LogSoftmax ScatterElements ScatterND""".split()
 )
 #: Ops whose first output has the type of their first input (their other outputs differ).
 _SAME_TYPE_FIRST_OUTPUT = frozenset({"TopK", "Dropout", "LayerNormalization"})

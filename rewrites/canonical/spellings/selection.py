@@ -16,6 +16,11 @@ form on the working copy:
   proof (``moe.selected_weights``) reads as a per-slot weight. A ``ReduceMax`` elsewhere (the
   shift of a written-out softmax) is not touched.
 
+* ``Concat(r_0, ..., r_{m-1})`` of the indices of top-1 rounds, round ``j`` a TopK-1 of the
+  router logits with the experts of the earlier rounds scattered to ``-inf`` (PhiMoE's sparse
+  mixer) -> the indices of ``TopK(L, m)``: round ``j`` is its column ``j``
+  (:mod:`onnx_moe_fuse.rewrites.graph.selection_rounds` says when).
+
 Only types TopK takes in every opset it is rewritten for (not bfloat16, which TopK gains in
 opset 24 and ORT's CPU TopK lacks), and only from opset 13, where ``Squeeze`` takes its axes as
 an input and ``TopK`` reads ``K`` as an input and a negative axis.
@@ -34,8 +39,9 @@ from onnx_moe_fuse.rewrites.canonical.spellings.common import (
     small_ints,
 )
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, static_rank
+from onnx_moe_fuse.rewrites.graph.selection_rounds import selection_round
 
-__all__ = ["ArgMaxToTopK", "ReduceMaxToTopK", "selection_rules"]
+__all__ = ["ArgMaxToTopK", "ReduceMaxToTopK", "RoundsToTopK", "selection_rules"]
 
 _MIN_OPSET = 13
 _T = ir.DataType
@@ -166,6 +172,44 @@ class ReduceMaxToTopK(SpellingRule):
         return _normalised(axes[0], scores) if axes is not None and len(axes) == 1 else None
 
 
+class RoundsToTopK(SpellingRule):
+    """``Concat`` of the indices of top-1 rounds ``0..m-1`` -> ``TopK(L, m)``'s indices."""
+
+    def pattern(self, op, first):
+        """A Concat (any number of inputs)."""
+        return op.Concat(first, _allow_other_inputs=True, _outputs=["joined"])
+
+    def check(self, context, first, joined, **_) -> pattern.MatchResult:
+        """Every input is the next round over the same logits, along the last axis."""
+        result = pattern.MatchResult()
+        node = joined.producer()
+        rounds = [selection_round(v) for v in node.inputs]
+        if len(rounds) < 2 or any(r is None for r in rounds):
+            return result.fail("not every input is a top-1 round", node)
+        if [r.column for r in rounds] != list(range(len(rounds))):
+            return result.fail("the rounds are not 0..m-1 in order", node)
+        if any(r.logits is not rounds[0].logits for r in rounds):
+            return result.fail("the rounds select from different logits", node)
+        axis = attr_int(node, "axis", None)
+        rank = static_rank(rounds[0].logits)  # the rounds' indices have the logits' rank
+        if axis is None or rank is None or axis % rank != rounds[0].axis:
+            return result.fail("not concatenated along the selection axis", node)
+        return _checked(result, self.opset, rounds[0].logits, node)
+
+    def rewrite(self, op, first, joined, **_):
+        """``TopK(L, [m], axis).indices``."""
+        node = joined.producer()
+        logits = selection_round(first).logits
+        k = op.Constant(value_ints=[len(node.inputs)], _outputs=[self.names(f"{joined.name}_k")])
+        outs = [self.names(f"{joined.name}_values"), self.names(f"{joined.name}_indices")]
+        axis = selection_round(first).axis
+        return op.TopK(logits, k, axis=axis, largest=1, sorted=1, _outputs=outs)[1]
+
+
 def selection_rules(names, opset: int) -> list[pattern.RewriteRule]:
     """The top-1 selection spelling rules."""
-    return [ArgMaxToTopK.rule(names, opset), ReduceMaxToTopK.rule(names, opset)]
+    return [
+        ArgMaxToTopK.rule(names, opset),
+        ReduceMaxToTopK.rule(names, opset),
+        RoundsToTopK.rule(names, opset),
+    ]

@@ -183,3 +183,38 @@ def test_router_reading_another_input_is_refused() -> None:
 def test_nonnegative(node, inits: dict, want: bool) -> None:
     model = _model([*ROUTER, node], inits)
     assert nonnegative(_values(model)["w"]) is want
+
+
+def _mixer(first_at: str, second_at: str) -> list:
+    """PhiMoE-style rounds: r0 = TopK(logits, 1), r1 = TopK of logits with r0 at -inf.
+
+    The selection ``sel`` is TopK(logits, 2) (what the spelling pass makes of the rounds); the
+    weights are softmaxes gathered at ``first_at`` / ``second_at``, concatenated.
+    """
+    return [
+        helper.make_node("TopK", ["logits", "one"], ["v0", "r0"], name="round0"),
+        helper.make_node("Shape", ["r0"], ["r0_shape"]),
+        helper.make_node(
+            "ConstantOfShape",
+            ["r0_shape"],
+            ["minus_inf"],
+            value=numpy_helper.from_array(np.array([-np.inf], np.float32)),
+        ),
+        helper.make_node("ScatterElements", ["logits", "r0", "minus_inf"], ["masked"], axis=-1),
+        helper.make_node("TopK", ["masked", "one"], ["v1", "r1"], name="round1"),
+        helper.make_node("Softmax", ["logits"], ["p0"], axis=-1),
+        helper.make_node("Softmax", ["masked"], ["p1"], axis=-1),
+        helper.make_node("GatherElements", ["p0", first_at], ["w0"], axis=-1),
+        helper.make_node("GatherElements", ["p1", second_at], ["w1"], axis=-1),
+        helper.make_node("Concat", ["w0", "w1"], ["w"], axis=-1),
+        helper.make_node("TopK", ["logits", "k"], ["vals", "idx"], name="sel"),
+    ]
+
+
+def test_top1_rounds_gathered_at_their_own_column_are_per_selected() -> None:
+    _prove_weights(_mixer("r0", "r1"), {"one": np.array([1], np.int64)})
+
+
+def test_top1_rounds_gathered_at_each_others_column_are_refused() -> None:
+    with pytest.raises(Refusal, match="not at the experts"):
+        _prove_weights(_mixer("r1", "r0"), {"one": np.array([1], np.int64)})

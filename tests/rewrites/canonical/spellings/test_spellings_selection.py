@@ -106,3 +106,49 @@ def test_unsqueeze_elsewhere_than_the_squeeze_stays():
           y = Unsqueeze(s, b)
         }""")
     )
+
+
+def _rounds_model(rounds: int, experts: int, fill: str = "-inf", mask_at: str = "prev") -> str:
+    """PhiMoE-style rounds of ArgMax over a router projection, each masking the previous pick."""
+    lines = ["l = MatMul(x, w)", "i0 = ArgMax <axis = -1, keepdims = 1> (l)"]
+    for j in range(1, rounds):
+        at = f"i{j - 1}" if mask_at == "prev" else "i0"
+        lines += [
+            f"shape{j} = Shape(i{j - 1})",
+            f"fill{j} = ConstantOfShape <value = float[1] {{{fill}}}> (shape{j})",
+            f"s{j} = ScatterElements <axis = -1> ({'l' if j == 1 else f's{j - 1}'}, {at}, fill{j})",
+            f"i{j} = ArgMax <axis = -1, keepdims = 1> (s{j})",
+        ]
+    joined = ", ".join(f"i{j}" for j in range(rounds))
+    lines.append(f"y = Concat <axis = -1> ({joined})")
+    body = "\n      ".join(lines)
+    return f"""<ir_version: 10, opset_import: ["" : 18]>
+    g (float[T, 8] x, float[8, {experts}] w) => (int64[T, {rounds}] y) {{
+      {body}
+    }}"""
+
+
+@settings(max_examples=20, deadline=None)
+@given(experts=st.integers(2, 6), data=st.data(), seed=st.integers(0, 2**31))
+def test_top1_rounds_become_one_topk_and_compute_the_same(experts, data, seed):
+    rounds = data.draw(st.integers(2, experts))
+    rng = np.random.default_rng(seed)
+    model = parse(_rounds_model(rounds, experts))
+    after, modified = normalise(model)
+    assert modified
+    y = producer(after, "y")
+    assert y.op_type == "TopK"
+    # ties everywhere: integer-valued logits (x one-hot-ish, w small integers)
+    x = rng.integers(-1, 2, size=(9, 8)).astype(np.float32)
+    w = rng.integers(-1, 2, size=(8, experts)).astype(np.float32)
+    assert_same(model, after, rng, feeds={"x": x, "w": w})
+    assert_same(model, after, rng, dims={"T": 5})
+
+
+def test_rounds_that_do_not_mask_with_minus_inf_or_mask_another_pick_stay():
+    for text in (_rounds_model(2, 4, fill="0"), _rounds_model(3, 4, mask_at="first")):
+        after, _ = normalise(parse(text))
+        assert producer(after, "y").op_type == "Concat"
+    # as many rounds as experts + 1 would pick a masked expert again: left as it is
+    after, _ = normalise(parse(_rounds_model(3, 2)))
+    assert producer(after, "y").op_type == "Concat"
