@@ -43,6 +43,7 @@ from onnx_moe_fuse.samples.handwritten_router_traps import (
     weights_other_experts,
     weights_other_token,
 )
+from onnx_moe_fuse.samples.handwritten_quant import dq_asymmetric
 from onnx_moe_fuse.samples.handwritten_routers import (
     deepseek_v3,
     llama4_prescaled,
@@ -85,6 +86,12 @@ HANDWRITTEN: dict[str, Callable[[], HandwrittenLayer]] = {
     "dq_uint4_zp8_block32": partial(dq_zero_points, "uint4", 32),
     "dq_int4_zp0_channel": partial(dq_zero_points, "int4", None),
     "dq_uint8_zp128_channel": partial(dq_zero_points, "uint8", None),
+    "dq_uint4_asym_block32": partial(dq_asymmetric, "uint4", 32),
+    "dq_int4_asym_block16": partial(dq_asymmetric, "int4", 16),
+    "dq_int4_asym_channel": partial(dq_asymmetric, "int4", None),
+    "dq_uint8_asym_channel": partial(dq_asymmetric, "uint8", None),
+    "dq_int8_asym_block64": partial(dq_asymmetric, "int8", 64),
+    "dq_uint4_no_zp_block32": partial(dq_asymmetric, "uint4", 32, False),
     "static_shapes": static_shapes,
     "reciprocal_renorm": reciprocal_renorm,
     "bmm_combine_squeeze": partial(batched_matmul_combine, "squeeze"),
