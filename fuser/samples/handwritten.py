@@ -35,6 +35,7 @@ from onnx_moe_fuse.samples.handwritten_dense import (
     qwen3_int4,
 )
 from onnx_moe_fuse.samples.handwritten_graph import Fused, HandwrittenLayer, Refused
+from onnx_moe_fuse.samples.handwritten_quant import dq_asymmetric
 from onnx_moe_fuse.samples.handwritten_router_traps import (
     capacity_drop,
     ernie_clamped,
@@ -43,7 +44,6 @@ from onnx_moe_fuse.samples.handwritten_router_traps import (
     weights_other_experts,
     weights_other_token,
 )
-from onnx_moe_fuse.samples.handwritten_quant import dq_asymmetric
 from onnx_moe_fuse.samples.handwritten_routers import (
     deepseek_v3,
     llama4_prescaled,
