@@ -91,7 +91,7 @@ HANDWRITTEN: dict[str, Callable[[], HandwrittenLayer]] = {
     "dq_int4_asym_channel": partial(dq_asymmetric, "int4", None),
     "dq_uint8_asym_channel": partial(dq_asymmetric, "uint8", None),
     "dq_int8_asym_block64": partial(dq_asymmetric, "int8", 64),
-    "dq_uint4_no_zp_block32": partial(dq_asymmetric, "uint4", 32, False),
+    "dq_uint4_no_zp_block32": partial(dq_asymmetric, "uint4", 32, "none"),
     "static_shapes": static_shapes,
     "reciprocal_renorm": reciprocal_renorm,
     "bmm_combine_squeeze": partial(batched_matmul_combine, "squeeze"),

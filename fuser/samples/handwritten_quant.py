@@ -32,15 +32,17 @@ QUANT_KINDS: dict[str, tuple[int, bool, object]] = {
 
 
 def quantize_asymmetric(
-    w: np.ndarray, axis: int, block: int, kind: str, with_zero_point: bool = True
+    w: np.ndarray, axis: int, block: int, kind: str, zero_point: str = "asymmetric"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Min/max-quantize ``w`` in blocks of ``block`` along ``axis``: ``(q, scale, zp)``.
 
     ``scale = (max - min) / (2**bits - 1)`` per block and ``zp = round(-min / scale)``, so a
     block's range maps onto the whole code range; signed kinds store codes and zero points
-    shifted down by ``2**(bits - 1)``. ``with_zero_point`` False (unsigned kinds only): codes
-    ``round(w / scale)`` with ``scale = max|w| / (2**bits - 1)``, negative values clipped to
-    code 0, and no zero point returned (ONNX reads a missing one as 0).
+    shifted down by ``2**(bits - 1)``. ``zero_point``: ``"asymmetric"`` (the above),
+    ``"symmetric"`` (``scale = max|w| / (2**(bits-1) - 1)``, the zero point ``2**(bits-1)``,
+    stored as 0 for signed kinds) or ``"none"`` (unsigned kinds only: codes ``round(w /
+    scale)`` with ``scale = max|w| / (2**bits - 1)``, negative values clipped to code 0, and no
+    zero point returned: ONNX reads a missing one as 0).
     """
     bits, signed, dtype = QUANT_KINDS[kind]
     axis = axis % w.ndim
@@ -50,12 +52,16 @@ def quantize_asymmetric(
     moved = np.moveaxis(w.astype(np.float64), axis, -1)
     blocks = moved.reshape(*moved.shape[:-1], n // block, block)
     top = (1 << bits) - 1
-    if with_zero_point:
+    if zero_point == "asymmetric":
         lo = np.minimum(blocks.min(axis=-1), 0.0)
         hi = np.maximum(blocks.max(axis=-1), 0.0)
         scale = ((hi - lo) / top).astype(np.float32)
         scale = np.where(scale == 0, np.float32(1), scale)
         zp = np.clip(np.rint(-lo / scale), 0, top)
+    elif zero_point == "symmetric":
+        scale = (np.abs(blocks).max(axis=-1) / ((1 << (bits - 1)) - 1)).astype(np.float32)
+        scale = np.where(scale == 0, np.float32(1), scale)
+        zp = np.full(scale.shape, float(1 << (bits - 1)))
     else:
         if signed:
             raise ValueError("only unsigned codes mean something without a zero point")
@@ -67,7 +73,7 @@ def quantize_asymmetric(
     q = np.moveaxis((codes - shift).reshape(moved.shape), -1, axis).astype(np.int16).astype(dtype)
     scale = np.moveaxis(scale, -1, axis)
     z = np.moveaxis(zp - shift, -1, axis).astype(np.int16).astype(dtype)
-    return q, scale, (z if with_zero_point else None)
+    return q, scale, (None if zero_point == "none" else z)
 
 
 def _dq(
@@ -77,13 +83,13 @@ def _dq(
     shape: tuple[int, int, int],
     kind: str,
     block: int | None,
-    with_zero_point: bool,
+    zero_point: str,
 ) -> str:
     """``DequantizeLinear`` of random ``[E, K, N]`` weights quantized along K."""
     e, kk, n = shape
     # an offset per output channel, so that the ranges are lopsided and the zero points vary
     w = normal(rng, shape, kk) + normal(rng, (e, 1, n), 4)
-    q, scale, zp = quantize_asymmetric(w, 1, kk if block is None else block, kind, with_zero_point)
+    q, scale, zp = quantize_asymmetric(w, 1, kk if block is None else block, kind, zero_point)
     ins = [g.init(f"{name}.qweight", q), g.init(f"{name}.scales", scale)]
     if zp is not None:
         ins.append(g.init(f"{name}.qzeros", zp))
@@ -92,13 +98,14 @@ def _dq(
 
 
 def dq_asymmetric(
-    kind: str, block: int | None, with_zero_point: bool = True, seed: int = 60
+    kind: str, block: int | None, zero_point: str = "asymmetric", seed: int = 60
 ) -> HandwrittenLayer:
-    """SwiGLU experts behind asymmetric ``DequantizeLinear`` weights.
+    """SwiGLU experts behind ``DequantizeLinear`` weights of any kind, block and zero point.
 
     ``kind``: ``int4``, ``uint4``, ``int8``, ``uint8``; ``block``: 16 ... 256 along K, or None
     for one scale (and zero point) per expert and output channel (``block_size = K``);
-    ``with_zero_point`` False leaves the zero-point input out (unsigned kinds: zero point 0).
+    ``zero_point``: ``"asymmetric"``, ``"symmetric"`` or ``"none"`` (no zero-point input:
+    unsigned kinds, zero point 0), see :func:`quantize_asymmetric`.
     """
     rng = np.random.default_rng(seed)
     inter = 32 if block is None else max(32, block)
@@ -114,12 +121,12 @@ def dq_asymmetric(
     x4 = g.op("Expand", [x4, g.init("bcast", [1, k, 1, 1])], "x_slots")
     per: list[str] = []
     for name in ("gate", "up"):
-        w = _dq(g, rng, name, (e, h, i), kind, block, with_zero_point)
+        w = _dq(g, rng, name, (e, h, i), kind, block, zero_point)
         mm = g.op("MatMul", [x4, g.op("Gather", [w, idx], f"{name}_w", axis=0)], f"{name}_mm")
         per.append(g.op("Squeeze", [mm, g.init(f"{name}_drop", [2])], f"{name}_proj"))
     gate, up = per
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], "gsig")], "gsilu"), up], "act")
-    wd = _dq(g, rng, "down", (e, i, h), kind, block, with_zero_point)
+    wd = _dq(g, rng, "down", (e, i, h), kind, block, zero_point)
     a4 = g.op("Unsqueeze", [act, g.init("act_axis", [2])], "act4")
     mm = g.op("MatMul", [a4, g.op("Gather", [wd, idx], "down_w", axis=0)], "down_mm")
     down = g.op("Squeeze", [mm, g.init("down_drop", [2])], "down_proj")
@@ -129,7 +136,11 @@ def dq_asymmetric(
     g.output("y", ["T", h])
     bits = QUANT_KINDS[kind][0]
     granularity = "per channel" if block is None else f"blocked {block}"
-    zps = "asymmetric zero points" if with_zero_point else "no zero point (0)"
+    zps = {
+        "asymmetric": "asymmetric zero points",
+        "symmetric": "symmetric zero points",
+        "none": "no zero point (0)",
+    }[zero_point]
     description = f"{kind} DequantizeLinear weights, {zps}, {granularity}"
     if bits == 8 and block is not None:
         expected: Fused | Refused = Refused("target", "8-bit weights in blocks")
