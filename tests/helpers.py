@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper, parser
 
+from onnx_moe_fuse.contract.packing import pack_qmoe_zero_points
 from onnx_moe_fuse.verify.oracles.quant import pack_qmoe
 
 #: Error bound of the float32 QMoE / MoE kernels against their references.
@@ -69,17 +70,27 @@ def interleave_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
 
 
-def qmoe_operand(model: onnx.ModelProto, name: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """QMoE unsigned codes ``[E, N, K]`` and scales ``[E, N(, K/block)]`` from DQ initializers."""
+def qmoe_operand(
+    model: onnx.ModelProto, name: str, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """QMoE unsigned codes ``[E, N, K]``, scales ``[E, N(, K/block)]`` and zero points.
+
+    The zero points have the scales' shape, in the unsigned code space (the symmetric point
+    where the sample has none).
+    """
     codes = initializer(model, f"{name}_quant")
     scale = initializer(model, f"{name}_scale").transpose(0, 2, 1)  # [E, N, K/block]
+    names = {t.name for t in model.graph.initializer}
     if bits == 4:
         unsigned = (codes.astype(np.int8).astype(np.int16) + 8).astype(np.uint8)
+        zp = np.full(scale.shape, 8, np.uint8)
     else:
-        assert np.all(initializer(model, f"{name}_zero_point") == 128)
         unsigned = codes
         scale = scale[:, :, 0]  # one block over K: column-wise [E, N]
-    return unsigned.transpose(0, 2, 1), scale
+        zp = np.full(scale.shape, 128, np.uint8)
+        if f"{name}_zero_point" in names:
+            zp = initializer(model, f"{name}_zero_point").transpose(0, 2, 1)[:, :, 0]
+    return unsigned.transpose(0, 2, 1), scale, zp
 
 
 def expert_operands(
@@ -88,8 +99,9 @@ def expert_operands(
     """A sample's experts as inputs 2.. of a fused ``MoE`` / ``QMoE`` node, in ORT's layout.
 
     Keys in ORT's input order: ``w1, b1, w2, b2`` (MoE) or ``w1, s1, b1, w2, s2, b2`` (QMoE,
-    ``bits``-bit codes packed); an absent bias is ``None``. SwiGLU gate and up projections
-    become interleaved FC1 rows.
+    ``bits``-bit codes packed), and for asymmetric QMoE weights ``w3, s3, b3`` (absent) and
+    the packed zero points ``z1, z2``; an absent input is ``None``. SwiGLU gate and up
+    projections become interleaved FC1 rows.
     """
     names = {t.name for t in model.graph.initializer}
     separate = "fc1_gate_weight" in names or "fc1_gate_weight_quant" in names
@@ -105,14 +117,22 @@ def expert_operands(
         return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
     assert bits is not None, "QMoE needs the weight bits"
     if separate:
-        gc, gs = qmoe_operand(model, "fc1_gate_weight", bits)
-        uc, us = qmoe_operand(model, "fc1_up_weight", bits)
-        c1, s1 = interleave_rows(gc, uc), interleave_rows(gs, us)
+        gc, gs, gz = qmoe_operand(model, "fc1_gate_weight", bits)
+        uc, us, uz = qmoe_operand(model, "fc1_up_weight", bits)
+        c1, s1, z1 = interleave_rows(gc, uc), interleave_rows(gs, us), interleave_rows(gz, uz)
     else:
-        c1, s1 = qmoe_operand(model, "fc1_weight", bits)
-    c2, s2 = qmoe_operand(model, "fc2_weight", bits)
+        c1, s1, z1 = qmoe_operand(model, "fc1_weight", bits)
+    c2, s2, z2 = qmoe_operand(model, "fc2_weight", bits)
     w1, w2 = pack_qmoe(c1, bits), pack_qmoe(c2, bits)
-    return {"w1": w1, "s1": s1, "b1": b1, "w2": w2, "s2": s2, "b2": b2}
+    out = {"w1": w1, "s1": s1, "b1": b1, "w2": w2, "s2": s2, "b2": b2}
+    if np.all(z1 == 1 << (bits - 1)) and np.all(z2 == 1 << (bits - 1)):
+        return out
+    blockwise = s1.ndim == 3
+    z1, z2 = (z if blockwise else z[:, :, None] for z in (z1, z2))
+    out.update(w3=None, s3=None, b3=None)
+    out["z1"] = pack_qmoe_zero_points(z1, bits, blockwise)
+    out["z2"] = pack_qmoe_zero_points(z2, bits, blockwise)
+    return out
 
 
 # -- error measures -------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ Conventions (pinned against ONNX Runtime 1.32 CPU by ``tests/verify/oracles``):
   (column-wise: one scale per output row) or ``[E, N, K / block_size]`` (block-wise). An
   explicit zero-point input that holds the symmetric point everywhere has
   :func:`symmetric_zero_point_byte` in every byte (:data:`QMOE_SYMMETRIC_ZERO_POINT_BYTE`).
+* QMoE zero points (inputs 11-13; measured on ORT 1.32 CPU, the shapes of its schema): codes in
+  the weights' unsigned code space, ``value = (q - zp) * scale``, packed like the codes (earliest
+  lowest, a last partial byte padded with 0 bits). Column-wise (no ``block_size``): ``[E,
+  ceil(N * bits / 8)]``, packed along the output channels ``N``; block-wise: ``[E, N,
+  ceil(K / block_size * bits / 8)]``, packed along the blocks of each row
+  (:func:`pack_qmoe_zero_points`, :func:`unpack_qmoe_zero_points`).
 * MatMulNBits layout: ``B [N, k_blocks, blob_size]`` uint8 with ``k_blocks = ceil(K / block_size)``
   and ``blob_size = block_size * bits / 8``; scales ``[N, k_blocks]``; no zero-point input means
   the symmetric zero point above. A last partial block is padded with the zero-point code.
@@ -36,11 +42,13 @@ __all__ = [
     "pack_bits",
     "pack_matmul_nbits",
     "pack_qmoe",
+    "pack_qmoe_zero_points",
     "pack_size",
     "symmetric_zero_point_byte",
     "unpack_bits",
     "unpack_matmul_nbits",
     "unpack_qmoe",
+    "unpack_qmoe_zero_points",
     "zero_point",
 ]
 
@@ -156,6 +164,65 @@ def unpack_qmoe(packed: npt.ArrayLike, bits: int) -> np.ndarray:
     if p.ndim != 3:
         raise ValueError(f"packed must have rank 3 [E, N, K/pack], got shape {p.shape}")
     return unpack_bits(p, bits)
+
+
+def _pack_padded(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack ``codes [..., M]`` along the last axis, padding it with 0 codes to whole bytes."""
+    per = 8 // bits
+    pad = -codes.shape[-1] % per
+    if pad:
+        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], pad), codes.dtype)], axis=-1)
+    return pack_bits(codes, bits)
+
+
+def pack_qmoe_zero_points(zero_points: npt.ArrayLike, bits: int, blockwise: bool) -> np.ndarray:
+    """Pack zero-point codes ``[E, N, blocks]`` into a QMoE zero-point input (uint8).
+
+    ``blockwise`` False (the node has no ``block_size``): ``blocks`` must be 1 and the result
+    is ``[E, ceil(N * bits / 8)]``, packed along ``N``; True: ``[E, N, ceil(blocks * bits /
+    8)]``, packed along the blocks. Every code must be below ``2 ** bits``.
+    """
+    bits = check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
+    z = np.asarray(zero_points)
+    if z.ndim != 3:
+        raise ValueError(f"zero points must have rank 3 [E, N, blocks], got shape {z.shape}")
+    if not np.issubdtype(z.dtype, np.integer):
+        raise ValueError(f"zero points must be integers, got dtype {z.dtype}")
+    if blockwise:
+        return _pack_padded(z, bits)
+    if z.shape[2] != 1:
+        raise ValueError(f"column-wise zero points have one block per row, got shape {z.shape}")
+    return _pack_padded(z[:, :, 0], bits)
+
+
+def unpack_qmoe_zero_points(
+    packed: npt.ArrayLike, bits: int, n: int, blocks: int | None
+) -> np.ndarray:
+    """Unpack a QMoE zero-point input into uint8 codes ``[E, N, blocks]`` (the inverse above).
+
+    ``blocks`` None: the column-wise ``[E, ceil(N * bits / 8)]`` form (one block per row);
+    else the block-wise ``[E, N, ceil(blocks * bits / 8)]`` form. ``ValueError`` on a shape
+    that is neither.
+    """
+    bits = check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
+    p = np.asarray(packed)
+    if p.dtype != np.uint8:
+        raise ValueError(f"zero points must be uint8, got dtype {p.dtype}")
+    per = 8 // bits
+    if blocks is None:
+        want: tuple[int, ...] = (-(-n // per),)
+        if p.ndim != 2 or p.shape[1:] != want:
+            raise ValueError(
+                f"column-wise zero points must have shape [E, {want[0]}] (N = {n}), got {p.shape}"
+            )
+        return unpack_bits(p, bits)[:, :n, None]
+    want = (n, -(-blocks // per))
+    if p.ndim != 3 or p.shape[1:] != want:
+        raise ValueError(
+            f"block-wise zero points must have shape [E, {want[0]}, {want[1]}] (N = {n}, "
+            f"{blocks} blocks), got {p.shape}"
+        )
+    return unpack_bits(p, bits)[:, :, :blocks]
 
 
 # -- MatMulNBits layout ---------------------------------------------------------------------------

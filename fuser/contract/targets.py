@@ -103,7 +103,9 @@ class OpContract:
     ``activations``: the ``activation_type`` values the kernel runs (None: the op has none);
     ``dtypes``: the activation (input 0) dtypes it has a kernel for; ``fixed``: attributes the
     target needs written with these values; ``omitted``: attributes its schema rejects;
-    ``source``: where the facts come from, in words.
+    ``source``: where the facts come from, in words; ``zero_points``: the QMoE weight
+    granularities (``"per-channel"``, ``"block-wise"``) whose explicit, asymmetric zero points
+    (inputs 11-13) the kernel honours, and ``zero_points_source`` where that comes from.
     """
 
     activations: frozenset[str] | None
@@ -111,6 +113,8 @@ class OpContract:
     source: str
     fixed: Mapping[str, Any] = field(default_factory=dict)
     omitted: frozenset[str] = frozenset()
+    zero_points: frozenset[str] = frozenset()
+    zero_points_source: str = ""
 
 
 _CPU = "ORT 1.32 CPU (measured)"
@@ -127,6 +131,8 @@ CONTRACTS: dict[str, dict[str, OpContract]] = {
             _CPU,
             # accuracy_level 0: no int8 activations (4 quantises them, about 1 % off)
             fixed={"quant_type": "int", "weights_prepacked": 0, "accuracy_level": 0},
+            zero_points=frozenset({"per-channel", "block-wise"}),
+            zero_points_source="ORT 1.32 CPU, measured: 4- and 8-bit, per channel and blocked",
         ),
     },
     "ort-cuda": {
@@ -139,6 +145,13 @@ CONTRACTS: dict[str, dict[str, OpContract]] = {
             # accuracy_level is a CPU knob, not among the CUDA attributes (moe_qmoe.md 2.1).
             fixed={"quant_type": "int", "weights_prepacked": 0},
             omitted=frozenset({"accuracy_level"}),
+            # moe_quantization.cc (read at 4b2d9237 and 00d47b6): zero points go to CUTLASS's
+            # QuantParams::GroupWise only; the per-column QuantParams::Int takes none (ignored)
+            zero_points=frozenset({"block-wise"}),
+            zero_points_source=(
+                "ORT CUDA, read in contrib_ops/cuda/moe/moe_quantization.cc: block-wise only; "
+                "per-column QMoE passes no zero points to its GEMM"
+            ),
         ),
     },
     "ort-webgpu": {
@@ -148,6 +161,10 @@ CONTRACTS: dict[str, dict[str, OpContract]] = {
             _WEBGPU,
             fixed={"quant_type": "int"},
             omitted=frozenset({"weights_prepacked", "accuracy_level"}),
+            zero_points_source=(
+                "onnxruntime-webgpu, read in contrib_ops/webgpu/moe/qmoe.cc: NOT_IMPLEMENTED "
+                '"zero_points for QMoE are not yet supported on WebGPU"'
+            ),
         ),
         "MatMulNBitsQkv": OpContract(
             None, frozenset({"float32", "float16"}), _WEBGPU, fixed={"accuracy_level": 0}
@@ -206,11 +223,18 @@ class Target:
         """The fused ops this target has kernels for."""
         return frozenset(self.contracts)
 
-    def refusal(self, op: str, activation: str | None, dtype: str | None = None) -> str | None:
+    def refusal(
+        self,
+        op: str,
+        activation: str | None,
+        dtype: str | None = None,
+        zero_points: str | None = None,
+    ) -> str | None:
         """Why a fused ``op`` node (its ``activation_type``, input-0 ``dtype``) cannot go here.
 
-        None when the target has a kernel for it. The reason names the target and the
-        alternative.
+        ``zero_points``: the granularity (``"per-channel"``/``"block-wise"``) of a QMoE node
+        with explicit asymmetric zero points, None for symmetric weights. None when the target
+        has a kernel for it. The reason names the target and the alternative.
         """
         target = self.name
         contract = self.contracts.get(op)
@@ -230,6 +254,19 @@ class Target:
             return (
                 f"{target} has no {dtype} {op} kernel ({contract.source}: "
                 f"{', '.join(sorted(contract.dtypes))} only); this layer computes in {dtype}"
+                + (f": target {' or '.join(others)}" if others else "")
+            )
+        if zero_points is not None and zero_points not in contract.zero_points:
+            others = [
+                t
+                for t in TARGETS
+                if t != target
+                and _takes(t, op, activation, dtype)
+                and zero_points in CONTRACTS[t][op].zero_points
+            ]
+            return (
+                f"{target}'s {op} kernel does not take {zero_points} asymmetric zero points "
+                f"({contract.zero_points_source}); this layer's weights have them"
                 + (f": target {' or '.join(others)}" if others else "")
             )
         return None

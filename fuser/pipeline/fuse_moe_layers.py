@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.contract.ops import QMOE
 from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.pipeline.canonicalise import canonicalise
 from onnx_moe_fuse.pipeline.common import (
@@ -93,6 +94,20 @@ def _activation_dtype(node: ir.Node) -> str | None:
     return None
 
 
+def _zero_points(node: ir.Node) -> str | None:
+    """A fused QMoE node's zero-point granularity ("per-channel"/"block-wise"), or None.
+
+    The rule writes zero-point inputs only for asymmetric weights (``rewrites/moe/emit.py``).
+    """
+    if node.op_type != QMOE.name:
+        return None
+    slots = [QMOE.index(n) for n in ("fc1_zero_points", "fc2_zero_points")]
+    if all(i >= len(node.inputs) or node.inputs[i] is None for i in slots):
+        return None
+    block = node.attributes.get("block_size")
+    return "block-wise" if block is not None and block.value > 0 else "per-channel"
+
+
 def _target_refusal(node: ir.Node, target: Target) -> str | None:
     """Why the fused ``node`` cannot be written for ``target`` (the contract's words), or None."""
     activation = node.attributes.get("activation_type")
@@ -100,6 +115,7 @@ def _target_refusal(node: ir.Node, target: Target) -> str | None:
         node.op_type,
         activation.value if activation is not None else None,
         _activation_dtype(node),
+        _zero_points(node),
     )
 
 

@@ -203,7 +203,7 @@ def _expected_attributes(spec: LayerSpec) -> dict[str, AttrValue]:
         attrs.update(activation_type="gelu")
     if spec.weights in ("int4b32", "int4b128"):
         attrs.update(expert_weight_bits=4, block_size=32 if spec.weights == "int4b32" else 128)
-    elif spec.weights == "u8pc":
+    elif spec.weights in ("u8pc", "u8asym"):
         attrs.update(expert_weight_bits=8, block_size=0)
     return attrs
 
@@ -253,15 +253,6 @@ def _near_miss(
 # (what, base family, weights, reason keyword, why, LayerSpec overrides)
 _NEAR_MISSES: list[tuple[str, _Family, Weights, str, str, dict[str, object]]] = [
     (
-        "asym_zp",
-        _MIXTRAL,
-        "u8asym",
-        "asymmetric zero point",
-        "the uint8 zero points are not the symmetric midpoint 128, and the QMoE kernels take "
-        "symmetric weights only.",
-        {},
-    ),
-    (
         "weights_not_const",
         _MIXTRAL,
         "f32",
@@ -296,6 +287,8 @@ def _catalog() -> dict[str, Entry]:
     entries += [_positive(_SIGMOID, s, w) for s in spellings for w in ("f32", "int4b32")]
     entries += [_positive(_QWEN2, s, "f32", rank=3) for s in spellings]
     entries += [_positive(_GELU, s, "f32") for s in spellings]
+    # asymmetric zero points: explicit zero-point inputs of QMoE (ort-cpu takes them)
+    entries += [_positive(_MIXTRAL, s, "u8asym") for s in spellings]
     for what, fam, weights, reason, why, over in _NEAR_MISSES:
         entries += [_near_miss(what, fam, sp, weights, reason, why, **over) for sp in spellings]
     catalog = {e.spec.name: e for e in entries}

@@ -35,6 +35,7 @@ from onnx_moe_fuse.samples.handwritten_dense import (
     qwen3_int4,
 )
 from onnx_moe_fuse.samples.handwritten_graph import Fused, HandwrittenLayer, Refused
+from onnx_moe_fuse.samples.handwritten_quant import dq_asymmetric
 from onnx_moe_fuse.samples.handwritten_router_traps import (
     capacity_drop,
     ernie_clamped,
@@ -86,6 +87,12 @@ HANDWRITTEN: dict[str, Callable[[], HandwrittenLayer]] = {
     "dq_uint4_zp8_block32": partial(dq_zero_points, "uint4", 32),
     "dq_int4_zp0_channel": partial(dq_zero_points, "int4", None),
     "dq_uint8_zp128_channel": partial(dq_zero_points, "uint8", None),
+    "dq_uint4_asym_block32": partial(dq_asymmetric, "uint4", 32),
+    "dq_int4_asym_block16": partial(dq_asymmetric, "int4", 16),
+    "dq_int4_asym_channel": partial(dq_asymmetric, "int4", None),
+    "dq_uint8_asym_channel": partial(dq_asymmetric, "uint8", None),
+    "dq_int8_asym_block64": partial(dq_asymmetric, "int8", 64),
+    "dq_uint4_no_zp_block32": partial(dq_asymmetric, "uint4", 32, "none"),
     "static_shapes": static_shapes,
     "reciprocal_renorm": reciprocal_renorm,
     "bmm_combine_squeeze": partial(batched_matmul_combine, "squeeze"),

@@ -9,7 +9,9 @@ evaluation path, and compares every graph output of the original:
 * ``"wgpu"``: :func:`onnx_moe_fuse.verify.evaluator.run_wgpu`, fused nodes on the project's WebGPU
   kernels, the other com.microsoft ops a model may hold (``MatMulNBits``, the simplified layer
   norms) in the reference path's numpy code, standard ops in ``onnx.reference``. Skipped, with
-  the reason, while a kernel package the model needs is not installed.
+  the reason, while a kernel package the model needs is not installed. A QMoE node with
+  asymmetric zero points (which the QMoE kernel does not implement) runs on the reference
+  path's oracle there instead; the path's ``notes`` name each such node.
 * ``"ort"``: onnxruntime's CPU provider with graph optimisations disabled (ORT's optimiser
   rewrites DequantizeLinear + MatMul into MatMulNBits with int8 activations). Skipped, with the
   reason, where ORT has no CPU kernel for some node (``com.microsoft.MatMulNBitsQkv``,
@@ -54,7 +56,11 @@ from onnx_moe_fuse.verify.compare import (
     ORT_INT8_ACTIVATION_RTOL,
     compare_outputs,
 )
-from onnx_moe_fuse.verify.evaluator import missing_kernel_packages, wgpu_evaluator
+from onnx_moe_fuse.verify.evaluator import (
+    missing_kernel_packages,
+    reference_only_nodes,
+    wgpu_evaluator,
+)
 from onnx_moe_fuse.verify.ort_path import (
     ORT_NO_CPU_KERNEL,
     ort_inexact_reasons,
@@ -182,6 +188,9 @@ def verify(
             results["wgpu"].reason = "; ".join(missing.values())
         else:
             runners["wgpu"] = _wgpu_runner(fused_p)
+            results["wgpu"].notes.extend(
+                f"{node}: {why}" for node, why in reference_only_nodes(fused_p).items()
+            )
     inexact = ort_inexact_reasons(fused_p) if "ort" in results else []
     if "ort" in results:
         prepare_ort(results["ort"], fused_p, runners, messages)

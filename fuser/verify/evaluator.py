@@ -80,6 +80,7 @@ from onnx_moe_fuse.verify.kernel_specs import (
 )
 from onnx_moe_fuse.verify.nodes import describe_node, iter_nodes
 from onnx_moe_fuse.verify.reference import CUSTOM_OPS as REFERENCE_OPS
+from onnx_moe_fuse.verify.reference_moe import run_qmoe
 
 __all__ = [
     "GROUPED_MATMUL",
@@ -98,6 +99,7 @@ __all__ = [
     "iter_nodes",
     "kernel_nodes",
     "missing_kernel_packages",
+    "reference_only_nodes",
     "run_node",
     "run_wgpu",
     "wgpu_evaluator",
@@ -249,10 +251,36 @@ class GroupedMatMul(_KernelOp):
 
 
 class QMoE(_KernelOp):
-    """``com.microsoft.QMoE`` on the ``kernels/qmoe`` package."""
+    """``com.microsoft.QMoE`` on the ``kernels/qmoe`` package.
+
+    A node with asymmetric zero points (which the kernel does not implement) runs on the
+    reference path's oracle instead (:func:`~onnx_moe_fuse.verify.reference_moe.run_qmoe`);
+    :func:`reference_only_nodes` names such nodes for the checker's report.
+    """
 
     op_domain = MS_DOMAIN
     spec = QMOE
+
+    def _run(self, *inputs: Any, **attrs: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        if _asymmetric_zero_points(inputs, attrs):
+            return run_qmoe(inputs, attrs)
+        return run_node(self.spec, self.onnx_node, inputs, attrs)
+
+
+_ZERO_POINT_SLOTS = tuple(
+    i for i, slot in enumerate(QMOE.inputs) if slot.onnx_name.endswith("_zero_points")
+)
+
+
+def _asymmetric_zero_points(inputs: Sequence[Any], attrs: Attrs) -> list[str]:
+    """The QMoE zero-point inputs among ``inputs`` that the kernel cannot drop (asymmetric)."""
+    bad = []
+    for i in _ZERO_POINT_SLOTS:
+        value = inputs[i] if i < len(inputs) else None
+        check = QMOE.inputs[i].droppable
+        if value is not None and check is not None and check(np.asarray(value), attrs):
+            bad.append(QMOE.inputs[i].onnx_name)
+    return bad
 
 
 class MoE(_KernelOp):
@@ -283,6 +311,32 @@ REFERENCE_OP_CLASSES: tuple[type[OpRun], ...] = tuple(
 def kernel_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """The nodes that the wgpu evaluator runs on kernels."""
     return [n for n in iter_nodes(model) if (n.domain, n.op_type) in KERNEL_OPS]
+
+
+def reference_only_nodes(model: onnx.ModelProto) -> dict[str, str]:
+    """``{node: why}`` for the QMoE nodes the evaluator runs on the oracle, not the kernel.
+
+    Those with asymmetric zero-point initializers (the kernel implements symmetric weights
+    only): on the wgpu path such a node is checked on the reference path's numpy oracle alone.
+    """
+    consts = {t.name: t for t in model.graph.initializer}
+    out: dict[str, str] = {}
+    for node in kernel_nodes(model):
+        if (node.domain, node.op_type) != (QMOE.domain, QMOE.op_type):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        values = [
+            onnx.numpy_helper.to_array(consts[name]) if name in consts else None
+            for name in node.input
+        ]
+        bad = _asymmetric_zero_points(values, attrs)
+        if bad:
+            out[describe_node(node)] = (
+                f"{', '.join(bad)} asymmetric: the WebGPU QMoE kernel implements symmetric "
+                "weights only, so this node ran on the reference path's numpy oracle "
+                "(fuser/verify/oracles/moe.qmoe), not on the kernel"
+            )
+    return out
 
 
 def missing_kernel_packages(model: onnx.ModelProto) -> dict[str, str]:

@@ -4,8 +4,7 @@ Each ``OpRun`` reads its node's inputs by name at the positions of
 :mod:`onnx_moe_fuse.contract.ops` (``onnx.reference`` hands them over by position, an absent
 optional one as None) and its attributes over ORT's defaults from the same contract, then calls
 :func:`onnx_moe_fuse.verify.oracles.moe.moe` or :func:`~onnx_moe_fuse.verify.oracles.moe.qmoe`.
-QMoE takes symmetric weights only: zero-point inputs are accepted when they hold the symmetric
-point; ``router_weights`` (input 14) goes to the oracle (selection by ``router_probs``, mixing
+QMoE's zero-point inputs (11, 12) go to the oracle in ORT's packed layout; ``router_weights`` (input 14) goes to the oracle (selection by ``router_probs``, mixing
 by the gathered ``router_weights``); FC3, the sparse mixer and the FP4/FP8 extras are refused
 with ``NotImplementedError``.
 """
@@ -19,12 +18,11 @@ import numpy as np
 from onnx.reference.op_run import OpRun
 
 from onnx_moe_fuse.contract.ops import MOE, MS_DOMAIN, QMOE
-from onnx_moe_fuse.contract.packing import QMOE_SYMMETRIC_ZERO_POINT_BYTE
 from onnx_moe_fuse.verify.kernel_specs import text_value
 from onnx_moe_fuse.verify.nodes import not_supported
 from onnx_moe_fuse.verify.oracles.moe import moe, qmoe
 
-__all__ = ["MoE", "QMoE", "swiglu_limit"]
+__all__ = ["MoE", "QMoE", "run_qmoe", "swiglu_limit"]
 
 
 def swiglu_limit(value: float | None) -> float | None:
@@ -76,16 +74,6 @@ class MoE(OpRun):
         return (out.astype(tokens.dtype, copy=False),)
 
 
-def _check_symmetric_zero_points(zp: np.ndarray | None, bits: int, name: str) -> None:
-    """Accept an explicit zero-point input only when it holds the symmetric point everywhere."""
-    if zp is None:
-        return
-    symmetric = QMOE_SYMMETRIC_ZERO_POINT_BYTE.get(bits)
-    arr = np.asarray(zp)
-    if symmetric is None or arr.dtype != np.uint8 or np.any(arr != symmetric):
-        raise _refuse("QMoE", f"{name} that are not the symmetric point {1 << (bits - 1)}")
-
-
 #: QMoE's inputs past ``router_weights``: the FP4/FP8 global and activation scales.
 _QMOE_FP_EXTRAS = QMOE.input_names[QMOE.index("router_weights") + 1 :]
 
@@ -96,52 +84,61 @@ class QMoE(OpRun):
     op_domain = MS_DOMAIN
 
     def _run(self, *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray]:
-        x = QMOE.named_inputs(inputs)
-        a = QMOE.checked_attributes(attrs)  # accuracy_level: ORT numerics only; this is exact
-        if any(x[n] is None for n in ("fc2_experts_weights", "fc1_scales", "fc2_scales")):
-            raise ValueError(f"{QMOE.qualified_name}: fc1/fc2 weights and scales are required")
-        if any(x[n] is not None for n in ("fc3_experts_weights", "fc3_scales", "fc3_zero_points")):
-            raise _refuse("QMoE", "FC3")
-        if x["fc3_experts_bias"] is not None:
-            raise _refuse("QMoE", "fc3_experts_bias")
-        if any(x[n] is not None for n in _QMOE_FP_EXTRAS):
-            raise _refuse("QMoE", f"FP4/FP8 inputs ({QMOE.index(_QMOE_FP_EXTRAS[0])}+)")
-        if a["use_sparse_mixer"]:
-            raise _refuse("QMoE", "use_sparse_mixer=1")
-        if a["swiglu_limit_after_activation"]:
-            raise _refuse("QMoE", "swiglu_limit_after_activation=1")
-        quant_type = text_value(a["quant_type"])
-        if quant_type != "int":
-            raise _refuse("QMoE", f"quant_type={quant_type!r}")
-        if a["weights_prepacked"] == 1:
-            raise _refuse("QMoE", "weights_prepacked=1")
-        bits = int(a["expert_weight_bits"])
-        for name in ("fc1", "fc2"):  # fc3's width means nothing without FC3 (refused above)
-            b = a.get(f"{name}_expert_weight_bits")
-            if b is not None and int(b) != bits:
-                raise _refuse("QMoE", f"{name}_expert_weight_bits={b} != expert_weight_bits={bits}")
-        _check_symmetric_zero_points(x["fc1_zero_points"], bits, "fc1_zero_points")
-        _check_symmetric_zero_points(x["fc2_zero_points"], bits, "fc2_zero_points")
-        block_size = a.get("block_size")
-        tokens = x["input"]
-        out = qmoe(
-            tokens,
-            x["router_probs"],
-            x["fc1_experts_weights"],
-            x["fc1_scales"],
-            x["fc2_experts_weights"],
-            x["fc2_scales"],
-            k=int(a["k"]),
-            activation_type=text_value(a["activation_type"]),
-            expert_weight_bits=bits,
-            block_size=int(block_size) if block_size else None,
-            swiglu_fusion=int(a["swiglu_fusion"]),
-            activation_alpha=float(a["activation_alpha"]),
-            activation_beta=float(a["activation_beta"]),
-            swiglu_limit=swiglu_limit(a.get("swiglu_limit")),
-            fc1_bias=x["fc1_experts_bias"],
-            fc2_bias=x["fc2_experts_bias"],
-            normalize_routing_weights=int(a["normalize_routing_weights"]),
-            router_weights=x["router_weights"],
-        )
-        return (out.astype(tokens.dtype, copy=False),)
+        return run_qmoe(inputs, attrs)
+
+
+def run_qmoe(inputs: Any, attrs: dict[str, Any]) -> tuple[np.ndarray]:
+    """One QMoE node's output from its inputs (ORT's positions) and attributes, by the oracle.
+
+    What :class:`QMoE` runs; the wgpu evaluator calls it too for a node its kernel cannot take
+    (asymmetric zero points), and says so in its report.
+    """
+    x = QMOE.named_inputs(inputs)
+    a = QMOE.checked_attributes(attrs)  # accuracy_level: ORT numerics only; this is exact
+    if any(x[n] is None for n in ("fc2_experts_weights", "fc1_scales", "fc2_scales")):
+        raise ValueError(f"{QMOE.qualified_name}: fc1/fc2 weights and scales are required")
+    if any(x[n] is not None for n in ("fc3_experts_weights", "fc3_scales", "fc3_zero_points")):
+        raise _refuse("QMoE", "FC3")
+    if x["fc3_experts_bias"] is not None:
+        raise _refuse("QMoE", "fc3_experts_bias")
+    if any(x[n] is not None for n in _QMOE_FP_EXTRAS):
+        raise _refuse("QMoE", f"FP4/FP8 inputs ({QMOE.index(_QMOE_FP_EXTRAS[0])}+)")
+    if a["use_sparse_mixer"]:
+        raise _refuse("QMoE", "use_sparse_mixer=1")
+    if a["swiglu_limit_after_activation"]:
+        raise _refuse("QMoE", "swiglu_limit_after_activation=1")
+    quant_type = text_value(a["quant_type"])
+    if quant_type != "int":
+        raise _refuse("QMoE", f"quant_type={quant_type!r}")
+    if a["weights_prepacked"] == 1:
+        raise _refuse("QMoE", "weights_prepacked=1")
+    bits = int(a["expert_weight_bits"])
+    for name in ("fc1", "fc2"):  # fc3's width means nothing without FC3 (refused above)
+        b = a.get(f"{name}_expert_weight_bits")
+        if b is not None and int(b) != bits:
+            raise _refuse("QMoE", f"{name}_expert_weight_bits={b} != expert_weight_bits={bits}")
+    block_size = a.get("block_size")
+    tokens = x["input"]
+    out = qmoe(
+        tokens,
+        x["router_probs"],
+        x["fc1_experts_weights"],
+        x["fc1_scales"],
+        x["fc2_experts_weights"],
+        x["fc2_scales"],
+        k=int(a["k"]),
+        activation_type=text_value(a["activation_type"]),
+        expert_weight_bits=bits,
+        block_size=int(block_size) if block_size else None,
+        swiglu_fusion=int(a["swiglu_fusion"]),
+        activation_alpha=float(a["activation_alpha"]),
+        activation_beta=float(a["activation_beta"]),
+        swiglu_limit=swiglu_limit(a.get("swiglu_limit")),
+        fc1_bias=x["fc1_experts_bias"],
+        fc2_bias=x["fc2_experts_bias"],
+        normalize_routing_weights=int(a["normalize_routing_weights"]),
+        router_weights=x["router_weights"],
+        fc1_zero_points=x["fc1_zero_points"],
+        fc2_zero_points=x["fc2_zero_points"],
+    )
+    return (out.astype(tokens.dtype, copy=False),)

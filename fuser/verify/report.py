@@ -100,6 +100,8 @@ class PathResult:
     reason: str | None = None  # why it was skipped, or the error that stopped it
     outputs: dict[str, OutputResult] = field(default_factory=dict)
     tolerance_notes: list[str] = field(default_factory=list)
+    #: nodes this path did not run as it claims (the wgpu path's oracle fallbacks), in words
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -107,6 +109,7 @@ class PathResult:
             "status": self.status,
             "reason": self.reason,
             "tolerance_notes": list(self.tolerance_notes),
+            "notes": list(self.notes),
             "outputs": {name: out.to_dict() for name, out in self.outputs.items()},
         }
 
@@ -143,7 +146,7 @@ class VerificationReport:
                 for o in p.outputs.values()
             )
             lines.append(f"  {name}: {p.status}" + (f" ({worst})" if worst else ""))
-            lines.extend(f"    note: {note}" for note in p.tolerance_notes)
+            lines.extend(f"    note: {note}" for note in (*p.tolerance_notes, *p.notes))
         lines.extend(f"  {m}" for m in self.messages)
         return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from onnx_moe_fuse.rewrites.canonical.spellings.normalize_spellings import (
     NormalizeSpellingsPass,
 )
 from onnx_moe_fuse.rewrites.canonical.weights.fold_weight_layout import FoldWeightLayoutPass
+from onnx_moe_fuse.rewrites.canonical.weights.nbits_weights import NBitsWeightsPass
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
 __all__ = ["canonicalisation_passes"]
@@ -32,6 +33,7 @@ def canonicalisation_passes(refusals: list[Refusal] | None = None) -> list[ir.pa
     if refusals is None:
         refusals = []
     return [
+        NBitsWeightsPass(),
         FoldShapesPass(),
         FoldWeightLayoutPass(),
         NormalizeSpellingsPass(),

@@ -18,7 +18,7 @@ Steps, in order (the first failing one gives the reason):
 3. combine: Unsqueeze/ReduceSum (or MatMul) axes, ``keepdims=0``;
 4. experts: each projection's spelling (GroupedMatMul or Gather/Expand/MatMul), its axes and
    Reshape targets proved symbolically, the same TopK indices everywhere, constant weights
-   (float, or DequantizeLinear of int4/uint4/int8/uint8 with symmetric zero points), optional
+   (float, or DequantizeLinear of int4/uint4/int8/uint8, any zero points), optional
    constant biases, consistent sizes ``E, H, I``;
 5. activation: relu / tanh gelu / silu / identity / SwiGLU (gate and linear column selections,
    clamp limit, alpha, beta); exact (Erf) GELU is refused;
@@ -239,6 +239,7 @@ def finish_layer(
         limit=limit,
         bits=bits if op == "QMoE" else 0,
         block=block if op == "QMoE" else 0,
+        zero_points=_zero_points(op, block, fc1, fc2),
         layer_nodes=layer_nodes,
     )
 
@@ -347,6 +348,19 @@ def _target(
             routing.topk,
         )
     return op, bits, block
+
+
+def _zero_points(
+    op: str, block: int, fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights
+) -> str | None:
+    """The granularity of the layer's asymmetric zero points (None: symmetric weights).
+
+    Whether the target takes them is decided at emission (``contract.targets``), where the
+    near miss can name the target.
+    """
+    if op != "QMoE" or all(w.zero_points is None for w in (*fc1, fc2)):
+        return None
+    return "block-wise" if block else "per-channel"
 
 
 def _weights_stay_inside(

@@ -8,6 +8,11 @@ Output: the arrays of ORT's output-major layout:
   nibble; codes stored as ``q + 8`` / ``q + 128``), scales ``[E, N1]`` (one per output row) or
   ``[E, N1, H / block]``, the same for FC2 with ``[E, H, I / pack]``.
 
+With asymmetric zero points (``LayerPlan.zero_points``) both projections get zero-point inputs
+(a projection with symmetric weights gets the symmetric point written out), packed by
+:func:`~onnx_moe_fuse.contract.packing.pack_qmoe_zero_points`: ``[E, N / pack]`` column-wise,
+``[E, N, blocks / pack]`` block-wise.
+
 ``N1`` is ``I``, or ``2 I`` for SwiGLU, whose rows are always interleaved (row ``2j`` the gate,
 ``2j + 1`` the linear operand: ``swiglu_fusion=1``), whatever the source spelling was: separate
 gate/up experts, one FC1 cut in halves, or strided slices. ``LayerPlan.fc1_columns`` names, for
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_moe_fuse.contract.packing import pack_qmoe
+from onnx_moe_fuse.contract.packing import pack_qmoe, pack_qmoe_zero_points, zero_point
 from onnx_moe_fuse.rewrites.moe.analysis import ExpertWeights, LayerPlan
 
 __all__ = ["FusedArrays", "fused_arrays"]
@@ -36,6 +41,8 @@ class FusedArrays:
     fc2: np.ndarray
     fc2_scales: np.ndarray | None
     fc2_bias: np.ndarray | None
+    fc1_zero_points: np.ndarray | None = None
+    fc2_zero_points: np.ndarray | None = None
 
     def by_input(self) -> dict[str, np.ndarray | None]:
         """The arrays by the fused op's input names (``contract.ops``); None: an absent bias.
@@ -53,6 +60,10 @@ class FusedArrays:
             out["fc1_scales"] = self.fc1_scales
         if self.fc2_scales is not None:
             out["fc2_scales"] = self.fc2_scales
+        if self.fc1_zero_points is not None:
+            out["fc1_zero_points"] = self.fc1_zero_points
+        if self.fc2_zero_points is not None:
+            out["fc2_zero_points"] = self.fc2_zero_points
         return out
 
 
@@ -77,6 +88,19 @@ def _output_major_quant(
     return packed, s
 
 
+def _zero_points_of(w: ExpertWeights) -> np.ndarray:
+    """``w``'s zero points ``[E, blocks, N]``, the symmetric point where it has none."""
+    if w.zero_points is not None:
+        return w.zero_points
+    assert w.scales is not None
+    return np.full(w.scales.shape, zero_point(w.bits), np.uint8)
+
+
+def _output_major_zero_points(zp: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """K-major zero points ``[E, blocks, N]`` -> a packed QMoE zero-point input."""
+    return pack_qmoe_zero_points(np.ascontiguousarray(zp.transpose(0, 2, 1)), bits, bool(block))
+
+
 def fused_arrays(plan: LayerPlan) -> FusedArrays:
     """Build the fused node's weights, scales and biases from ``plan``."""
     cols = plan.fc1_columns
@@ -92,4 +116,9 @@ def fused_arrays(plan: LayerPlan) -> FusedArrays:
     scales1 = np.concatenate([p.scales for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
     w1, s1 = _output_major_quant(codes1, scales1, plan.bits, plan.block)
     w2, s2 = _output_major_quant(plan.fc2.codes, plan.fc2.scales, plan.bits, plan.block)  # type: ignore[arg-type]
-    return FusedArrays(w1, s1, bias1, w2, s2, bias2)
+    if plan.zero_points is None:
+        return FusedArrays(w1, s1, bias1, w2, s2, bias2)
+    zp1 = np.concatenate([_zero_points_of(p) for p in plan.fc1], axis=2)[:, :, cols]
+    z1 = _output_major_zero_points(zp1, plan.bits, plan.block)
+    z2 = _output_major_zero_points(_zero_points_of(plan.fc2), plan.bits, plan.block)
+    return FusedArrays(w1, s1, bias1, w2, s2, bias2, z1, z2)

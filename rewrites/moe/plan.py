@@ -42,7 +42,9 @@ class ExpertWeights:
     (K-major, its symmetric zero point ``offset``), from which :attr:`codes` are computed when
     the emission first reads them (the checks never do), ``scales`` ``[E, blocks, N]`` and
     ``block``, the block size along K the source declares (0 when it declares none, or one
-    partial block).
+    partial block). ``zero_points`` ``[E, blocks, N]`` (like ``scales``) holds asymmetric zero
+    points in the unsigned code space of :attr:`codes` (value = ``(code - zp) * scale``); None
+    when every zero point is the symmetric one.
     """
 
     role: str
@@ -57,10 +59,14 @@ class ExpertWeights:
     block: int = 0
     bias: np.ndarray | None = None
     source_nodes: tuple[ir.Node, ...] = ()
+    zero_points: np.ndarray | None = None
 
     @cached_property
     def codes(self) -> np.ndarray | None:
-        """Unsigned QMoE codes ``[E, K, N]``: value = ``(code - 2**(bits-1)) * scale``."""
+        """Unsigned QMoE codes ``[E, K, N]``: value = ``(code - zp) * scale``.
+
+        ``zp`` is ``2**(bits-1)``, or :attr:`zero_points` where the weights have their own.
+        """
         if self.raw is None:
             return None
         return (self.raw.astype(np.int16) - self.offset + (1 << (self.bits - 1))).astype(np.uint8)
@@ -79,11 +85,12 @@ class ExpertWeights:
         """E.g. ``int4 blocked 32`` or ``float``."""
         if not self.quantized:
             return "float"
+        zp = ", asymmetric" if self.zero_points is not None else ""
         if self.block and not self.per_channel:
-            return f"{self.bits}-bit blocked {self.block}"
+            return f"{self.bits}-bit blocked {self.block}{zp}"
         if self.block:
-            return f"{self.bits}-bit per channel (one block of {self.block})"
-        return f"{self.bits}-bit per channel"
+            return f"{self.bits}-bit per channel (one block of {self.block}){zp}"
+        return f"{self.bits}-bit per channel{zp}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,6 +117,9 @@ class LayerPlan:
     limit: float | None = None
     bits: int = 0
     block: int = 0
+    #: the weights' zero points: "per-channel" / "block-wise" when any projection has
+    #: asymmetric ones (the fused node gets explicit zero-point inputs), else None
+    zero_points: str | None = None
     layer_nodes: tuple[ir.Node, ...] = field(default=())
     # the router-agnostic routing: the selection TopK's indices and the final weights the
     # fused node is fed through the routing construction (None: its own softmax routing)

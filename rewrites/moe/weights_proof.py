@@ -1,13 +1,14 @@
 """Proof step 4: the expert weights and biases, float or behind DequantizeLinear, as K-major facts.
 
 :func:`expert_weights` reads a projection's constant weights (through layout ops and
-DequantizeLinear: int4/uint4/int8/uint8, symmetric zero points, per channel or blocked) into an
+DequantizeLinear: int4/uint4/int8/uint8, any zero points, per channel or blocked) into an
 :class:`~.plan.ExpertWeights` in GroupedMatMul's ``[E, K, N]`` layout; :func:`expert_bias`
 reads its bias. Codes are decoded only when the rewrite needs them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -193,21 +194,15 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     else:
         raise Refusal(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
     sym = 0 if signed else 1 << (bits - 1)
-    if z is None:
-        zp_ok = signed
-        zp_text = "none (which means 0)"
+    # no zero point means 0: symmetric for signed codes, the lowest code for unsigned ones
+    zp = np.zeros(s.shape, np.int64) if z is None else np.asarray(z)
+    zero_points = _zero_points(role, dq, zp, s, layout, ax, (e, scales.shape[1], n))
+    # into the unsigned code space of ExpertWeights.codes (a signed zp z becomes z + 2**(b-1))
+    zero_points = zero_points - sym + (1 << (bits - 1))
+    if np.all(zero_points == 1 << (bits - 1)):
+        zero_points = None  # symmetric: the node needs no zero-point input
     else:
-        zp_ok = bool(np.all(np.asarray(z).astype(np.int64) == sym))
-        bad = np.asarray(z).astype(np.int64)
-        bad = bad[bad != sym]
-        zp_text = f"e.g. {int(bad.reshape(-1)[0])}" if bad.size else str(sym)
-    if not zp_ok:
-        raise Refusal(
-            f"asymmetric zero point: {role} weights ({qtype.name}, DequantizeLinear "
-            f"'{label(dq)}') have zero points {zp_text}, not the symmetric {sym}; the QMoE "
-            "kernels take symmetric weights only",
-            dq,
-        )
+        zero_points = np.ascontiguousarray(zero_points.astype(np.uint8))
     return ExpertWeights(
         role,
         w,
@@ -219,7 +214,38 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
         bits=bits,
         block=block,
         source_nodes=(dq,),
+        zero_points=zero_points,
     )
+
+
+def _zero_points(
+    role: str,
+    dq: ir.Node,
+    z: np.ndarray,
+    s: np.ndarray,
+    layout: str,
+    ax: int,
+    shape: tuple[int, int, int],
+) -> np.ndarray:
+    """DequantizeLinear's zero points (the shape of its scales ``s``) as ``[E, blocks, N]``.
+
+    ONNX gives ``y_zero_point`` the shape of ``y_scale``: a blocked 3-D one is read like the
+    scales (transposed for an ``"nk"`` source), a scalar or per-axis one is broadcast like them
+    (``ax``: the K-major axis of a 1-D one). Returned as int64 in the source's code space.
+    """
+    if z.shape != s.shape:
+        raise Refusal(
+            f"{role} zero points of '{label(dq)}' have shape {z.shape}, not the scales' {s.shape}",
+            dq,
+        )
+    z = z.astype(np.int64)
+    if z.ndim == 3:
+        return z.transpose(0, 2, 1) if layout == "nk" else z
+    e, blocks, n = shape
+    if z.ndim == 0 or z.size == 1:
+        return np.broadcast_to(z.reshape(1, 1, 1), shape)
+    # per axis (the scales' branch proved which): the output channels (2) or the experts (0)
+    return np.broadcast_to(z.reshape((1, 1, n) if ax == 2 else (e, 1, 1)), shape)
 
 
 def expert_bias(
@@ -365,17 +391,4 @@ def with_bias(ew: ExpertWeights, bias: np.ndarray | None) -> ExpertWeights:
     """``ew`` with its proved bias attached."""
     if bias is None:
         return ew
-    return ExpertWeights(
-        ew.role,
-        ew.value,
-        ew.shape,
-        ew.dtype,
-        array=ew.array,
-        raw=ew.raw,
-        offset=ew.offset,
-        scales=ew.scales,
-        bits=ew.bits,
-        block=ew.block,
-        bias=bias,
-        source_nodes=ew.source_nodes,
-    )
+    return dataclasses.replace(ew, bias=bias)

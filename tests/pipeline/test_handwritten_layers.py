@@ -197,6 +197,16 @@ def ref_dq(c, x):
     return routed(x, w, idx, swiglu_expert(wg, wu, wd))
 
 
+def ref_dq_asymmetric(c, x):
+    """The asymmetric layers: a zero-point input may be absent (ONNX: zero point 0)."""
+    w, idx = softmax_topk_renorm(x @ c["router"], 2)
+    wg, wu, wd = (
+        dequant(c[f"{n}.qweight"], c[f"{n}.scales"], c.get(f"{n}.qzeros"), axis=1)
+        for n in ("gate", "up", "down")
+    )
+    return routed(x, w, idx, swiglu_expert(wg, wu, wd))
+
+
 def ref_static_shapes(c, x):
     tokens = x.reshape(-1, x.shape[-1])
     w, idx = softmax_topk_renorm(tokens @ c["router"], 2)
@@ -356,6 +366,12 @@ REFERENCES = {
     "dq_uint4_zp8_block32": ref_dq,
     "dq_int4_zp0_channel": ref_dq,
     "dq_uint8_zp128_channel": ref_dq,
+    "dq_uint4_asym_block32": ref_dq_asymmetric,
+    "dq_int4_asym_block16": ref_dq_asymmetric,
+    "dq_int4_asym_channel": ref_dq_asymmetric,
+    "dq_uint8_asym_channel": ref_dq_asymmetric,
+    "dq_int8_asym_block64": ref_dq_asymmetric,
+    "dq_uint4_no_zp_block32": ref_dq_asymmetric,
     "static_shapes": ref_static_shapes,
     "reciprocal_renorm": ref_reciprocal_renorm,
     "bmm_combine_squeeze": ref_bmm_combine,

@@ -253,12 +253,22 @@ def test_int8_without_zero_point() -> None:
     check_fused(m, "QMoE", expert_weight_bits=8, block_size=0)
 
 
-def test_uint8_without_zero_point_refused() -> None:
+def test_uint8_without_zero_point_fuses_with_zero_point_0() -> None:
+    """uint8 codes without a zero point mean zp 0: explicit zero-point inputs on ort-cpu."""
     m = get_sample("mixtral_dec_u8pc").model
     for node in m.graph.node:
         if node.op_type == "DequantizeLinear":
             del node.input[2:]
-    refused(m, "asymmetric zero point")
+    check_fused(m, "QMoE", expert_weight_bits=8, block_size=0)
+    fused = fuse(m).model
+    qmoe = next(n for n in fused.graph.node if n.op_type == "QMoE")
+    consts = {t.name: nh.to_array(t) for t in fused.graph.initializer}
+    for slot in (11, 12):  # fc1/fc2 zero points, column-wise [E, N]: all 0
+        zp = consts[qmoe.input[slot]]
+        assert zp.ndim == 2 and not zp.any(), (slot, zp.shape)
+    result = fuse(m, target="ort-webgpu")
+    assert not result.report.fusions
+    assert any("zero points" in n["reason"] for n in result.report.near_misses)
 
 
 def test_mixed_float_and_quantized_refused() -> None:

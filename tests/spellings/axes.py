@@ -91,7 +91,10 @@ COMBINE_NEEDS = {
 }  # fmt: skip
 WEIGHT_DTYPES = ("float32", "int4", "uint4", "int8", "uint8")
 GRANULARITIES = ("channel", "block32")  # scales per output channel, or per block of 32 along K
-ZERO_POINTS = ("absent", "explicit")  # explicit: 0 signed, 8 uint4, 128 uint8 (the symmetric point)
+# explicit: 0 signed, 8 uint4, 128 uint8 (the symmetric point); asymmetric: one below it in a
+# random half of the blocks (the codes shifted with it: the same weights), so the fused QMoE
+# needs zero-point inputs (ort-cpu takes them)
+ZERO_POINTS = ("absent", "explicit", "asymmetric")
 RANKS = (2, 3)
 OPSETS = (21, 22, 23)
 SHAPES = ("static", "symbolic")
@@ -105,7 +108,6 @@ MUTATIONS = (
     "dropped_clamp",  # gpt-oss SwiGLU with the gate clamp removed (the linear clamp kept)
     "router_second_input",  # the router reads a second graph input, not the tokens
     "router_token_slice",  # the router reads the tokens reversed along the token axis
-    "zero_point_off",  # the zero point is one off the symmetric point
     "weight_graph_input",  # FC1's weights (or codes) are a graph input, not a constant
     # the routing weights are not the per-selected non-negative weights of this TopK:
     "weights_other_experts",  # taken at other experts than the ids FC1/FC2 gather
@@ -124,7 +126,6 @@ MUTATION_PART = {
     "dropped_clamp": "activation",
     "router_second_input": "router",
     "router_token_slice": "router",
-    "zero_point_off": "weights",
     "weight_graph_input": "weights",
     "weights_other_experts": "routing",
     "weights_other_token": "routing",
@@ -161,6 +162,5 @@ MUTATION_NEEDS: dict[str, dict[str, frozenset]] = {
     "fc2_other_indices": {"experts": GATHERED},
     "erf_gelu": {"activation": frozenset({"gelu_tanh"}), "weight_dtype": frozenset({"float32"})},
     "dropped_clamp": {"activation": frozenset({"swiglu_oss"})},
-    "zero_point_off": {"weight_dtype": QUANTIZED},
     "weights_other_experts": {"routing": frozenset(ROUTINGS) - {"argmax_top1"}},
 }

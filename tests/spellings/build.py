@@ -125,8 +125,12 @@ class _Layer:
         q = np.clip(np.rint(blocks / scale[:, :, None, :]), lo, hi).astype(np.int32)
         deq = (q.astype(np.float32) * scale[:, :, None, :]).reshape(e, k, n)
         self.params[key] = deq
-        codes = (q.reshape(e, k, n) + zp).astype(np.int32)
-        zp_value = zp + (1 if self.mutation == "zero_point_off" else 0)
+        zp_arr = np.full(scale.shape, zp, np.int32)  # [E, K/block, N]
+        if c.zero_point == "asymmetric":  # one below the symmetric point in some blocks
+            zp_arr -= (self.rng.random(scale.shape) < 0.5).astype(np.int32)
+            zp_arr.reshape(-1)[0] = zp - 1  # asymmetric for sure
+        # the same weights: codes shifted with their zero point ((q + z) - z = q)
+        codes = (q + zp_arr[:, :, None, :]).reshape(e, k, n)
         if output_major:
             codes, scale = codes.transpose(0, 2, 1), scale.transpose(0, 2, 1)
         codes = codes.astype(code_type)
@@ -137,9 +141,11 @@ class _Layer:
         else:
             q_name = g.init(f"{key}_codes", codes)
         inputs = [q_name, g.init(f"{key}_scale", np.ascontiguousarray(scale))]
-        if c.zero_point == "explicit" or self.mutation == "zero_point_off":
+        if c.zero_point != "absent":
+            if output_major:
+                zp_arr = zp_arr.transpose(0, 2, 1)
             inputs.append(
-                g.init(f"{key}_zero_point", np.full(scale.shape, zp_value).astype(code_type))
+                g.init(f"{key}_zero_point", np.ascontiguousarray(zp_arr).astype(code_type))
             )
         deq_name = g.node("DequantizeLinear", inputs, key, axis=stored_axis, block_size=block)
         return deq_name

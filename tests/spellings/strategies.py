@@ -138,7 +138,7 @@ def layer_cases(
         least_k = min(experts_count // 2 + 1, most_k)
     top_k = 1 if routing == "argmax_top1" else draw(st.integers(least_k, most_k))
     zero_point = pick("zero_point", ZERO_POINTS)
-    if weight_dtype in ("uint4", "uint8") or mutation == "zero_point_off":
+    if weight_dtype in ("uint4", "uint8") and zero_point == "absent":
         zero_point = "explicit"  # unsigned codes without a zero point mean zp 0: not symmetric
     experts = pick("experts", EXPERTS)
     combines = tuple(
@@ -184,7 +184,7 @@ def is_valid(case: LayerCase) -> bool:
     ``1 <= k <= E``, a top-1 routing k = 1, and a grouped top-k 2 or more groups of 2 or more
     experts, fewer groups kept than there are and ``k`` within them (other routings: no groups).
     """
-    if case.weight_dtype in ("uint4", "uint8") and case.zero_point != "explicit":
+    if case.weight_dtype in ("uint4", "uint8") and case.zero_point == "absent":
         return False
     if case.quantized and case.granularity == "block32":
         if case.hidden % 32 or case.inter % 32:
@@ -242,7 +242,7 @@ def mutant_of(case: LayerCase, mutation: str) -> LayerCase | None:
 
     It applies where :func:`layer_cases` would draw it: the spellings of ``MUTATION_NEEDS``,
     two or more tokens on every static token axis (``NEEDS_TWO_TOKENS``), two or more slots
-    (``needs_two_slots``), an explicit zero point to shift (``zero_point_off``), and tokens
+    (``needs_two_slots``), and tokens
     that overflow the capacity (``capacity_drop``: :func:`overflows_capacity`).
     """
     for axis, values in MUTATION_NEEDS.get(mutation, {}).items():
@@ -253,8 +253,6 @@ def mutant_of(case: LayerCase, mutation: str) -> LayerCase | None:
     if needs_two_slots(mutation, case.routing) and case.top_k < 2:
         return None
     if mutation == "capacity_drop" and not overflows_capacity(case):
-        return None
-    if mutation == "zero_point_off" and case.zero_point != "explicit":
         return None
     return replace(case, mutation=mutation)
 

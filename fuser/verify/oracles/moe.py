@@ -64,7 +64,7 @@ import numpy as np
 import numpy.typing as npt
 
 from onnx_moe_fuse.contract.ops import MOE, QMOE
-from onnx_moe_fuse.contract.packing import QMOE_BITS, pack_size
+from onnx_moe_fuse.contract.packing import QMOE_BITS, pack_size, unpack_qmoe_zero_points
 from onnx_moe_fuse.verify.oracles.moe_activation import ACTIVATIONS, activation, gelu_tanh
 from onnx_moe_fuse.verify.oracles.moe_checks import (
     check_activation,
@@ -148,8 +148,10 @@ def qmoe(
     fc2_bias: npt.ArrayLike | None = None,
     normalize_routing_weights: int = QMOE.default("normalize_routing_weights"),
     router_weights: npt.ArrayLike | None = None,
+    fc1_zero_points: npt.ArrayLike | None = None,
+    fc2_zero_points: npt.ArrayLike | None = None,
 ) -> np.ndarray:
-    """Compute ORT ``com.microsoft.QMoE`` with symmetric int weights (no zero points, no FC3).
+    """Compute ORT ``com.microsoft.QMoE`` with int weights (no FC3).
 
     Args:
         input: ``[T, H]`` or ``[B, S, H]`` float tokens.
@@ -174,6 +176,12 @@ def qmoe(
             always softmaxes the k logits); with them, 1 renormalises the k gathered weights.
         router_weights: optional ``[T, E]`` (the input's dtype): the mixing weights, read at
             the experts the top-k of ``router_probs`` selects.
+        fc1_zero_points: optional uint8 zero points in ORT's packed layout
+            (:func:`onnx_moe_fuse.contract.packing.pack_qmoe_zero_points`): ``[E, fusion*I /
+            pack]`` column-wise, ``[E, fusion*I, (H / block_size) / pack]`` block-wise
+            (rounded up to whole bytes); absent: the symmetric point.
+        fc2_zero_points: the same for FC2: ``[E, H / pack]`` or ``[E, H, (I / block_size) /
+            pack]``.
 
     Returns:
         float32 array of ``input``'s shape.
@@ -240,8 +248,16 @@ def qmoe(
     b1 = optional_float("fc1_bias", fc1_bias, (num_experts, fusion * inter), "[E, fusion*I]")
     b2 = optional_float("fc2_bias", fc2_bias, (num_experts, hidden), "[E, H]")
 
-    w1f = dequantize_qmoe(w1, s1, bits, block_size, dtype=np.float64)
-    w2f = dequantize_qmoe(w2, s2, bits, block_size, dtype=np.float64)
+    z1, z2 = (
+        None
+        if z is None
+        else unpack_qmoe_zero_points(z, bits, s.shape[1], s.shape[2] if s.ndim == 3 else None)
+        for z, s in ((fc1_zero_points, s1), (fc2_zero_points, s2))
+    )
+    if block_size is None:
+        z1, z2 = (None if z is None else z[:, :, 0] for z in (z1, z2))
+    w1f = dequantize_qmoe(w1, s1, bits, block_size, dtype=np.float64, zero_points=z1)
+    w2f = dequantize_qmoe(w2, s2, bits, block_size, dtype=np.float64, zero_points=z2)
     idx, weights = route_qmoe(router, k, router_weights=mix, normalize_routing_weights=normalize)
     act = {
         "activation_type": activation_type,

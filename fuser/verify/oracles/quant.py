@@ -118,12 +118,15 @@ def dequantize_qmoe(
     block_size: int | None = None,
     *,
     dtype: npt.DTypeLike = np.float32,
+    zero_points: npt.ArrayLike | None = None,
 ) -> np.ndarray:
     """Dequantize QMoE raw weights ``[E, N, K / pack]`` to ``[E, N, K]`` of ``dtype``.
 
-    ``value = (code - zp) * scale`` with ``zp`` 8 (4-bit) or 128 (8-bit). With ``block_size``
-    ``None`` the scales are ``[E, N]``; otherwise ``[E, N, K / block_size]`` and ``block_size``
-    must divide ``K``. The product is formed in float64 (exact) and rounded once to ``dtype``.
+    ``value = (code - zp) * scale`` with ``zp`` 8 (4-bit) or 128 (8-bit), or the unpacked
+    ``zero_points`` codes given (the scales' shape: ``[E, N]`` or ``[E, N, K / block_size]``).
+    With ``block_size`` ``None`` the scales are ``[E, N]``; otherwise ``[E, N, K / block_size]``
+    and ``block_size`` must divide ``K``. The product is formed in float64 (exact) and rounded
+    once to ``dtype``.
     """
     bits = check_bits(bits, QMOE_BITS, "bits (QMoE expert_weight_bits)")
     p = np.asarray(packed)
@@ -136,11 +139,17 @@ def dequantize_qmoe(
         raise ValueError(f"scales must be floating point, got dtype {s.dtype}")
     e, n, kp = p.shape
     k = kp * pack_size(bits)
-    codes = unpack_bits(p, bits).astype(np.float64) - zero_point(bits)
+    codes = unpack_bits(p, bits).astype(np.float64)
+    if zero_points is None:
+        zp = np.full(s.shape, float(zero_point(bits)))
+    else:
+        zp = np.asarray(zero_points).astype(np.float64)
+        if zp.shape != s.shape:
+            raise ValueError(f"zero points must have the scales' shape {s.shape}, got {zp.shape}")
     if block_size is None:
         if s.shape != (e, n):
             raise ValueError(f"column-wise scales must have shape [E, N] = {(e, n)}, got {s.shape}")
-        out = codes * s.astype(np.float64)[..., None]
+        out = (codes - zp[..., None]) * s.astype(np.float64)[..., None]
     else:
         block_size = check_block_size(block_size)
         if k % block_size:
@@ -151,8 +160,8 @@ def dequantize_qmoe(
                 f"block-wise scales must have shape [E, N, K/block_size] = {(e, n, nb)}, "
                 f"got {s.shape}"
             )
-        out = codes.reshape(e, n, nb, block_size) * s.astype(np.float64)[..., None]
-        out = out.reshape(e, n, k)
+        blocks = codes.reshape(e, n, nb, block_size) - zp[..., None]
+        out = (blocks * s.astype(np.float64)[..., None]).reshape(e, n, k)
     return out.astype(dtype)
 
 

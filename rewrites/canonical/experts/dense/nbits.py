@@ -23,7 +23,13 @@ from onnx_moe_fuse.contract.packing import unpack_bits, unpack_matmul_nbits, zer
 from onnx_moe_fuse.rewrites.graph.facts import attr_int
 from onnx_moe_fuse.rewrites.graph.tensor_reads import read_array
 
-__all__ = ["MS_DOMAIN", "nbits_dequantize_arrays", "nbits_geometry", "nbits_is_supported"]
+__all__ = [
+    "MS_DOMAIN",
+    "nbits_dequantize_arrays",
+    "nbits_geometry",
+    "nbits_is_supported",
+    "nbits_tensor_arrays",
+]
 
 
 def nbits_geometry(node: ir.Node) -> tuple[int, int, int, int] | None:
@@ -81,20 +87,40 @@ def nbits_dequantize_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.n
 
     Codes and zero points are ml_dtypes ``uint4`` for 4-bit, ``uint8`` for 8-bit.
     """
-    k, n, bits, block = nbits_geometry(node)
-    k_blocks = -(-k // block)
+    geometry = nbits_geometry(node)
+    assert geometry is not None
     ins = MATMUL_NBITS.named_inputs(list(node.inputs))
-    codes = unpack_matmul_nbits(read_array(ins["B"].const_value), k, bits, block)
-    scales = ins["scales"].const_value.numpy().reshape(n, k_blocks)
-    zp_value = ins["zero_points"]
-    if zp_value is None:
+    zp = ins["zero_points"]
+    return nbits_tensor_arrays(
+        geometry,
+        ins["B"].const_value,
+        ins["scales"].const_value,
+        None if zp is None else zp.const_value,
+    )
+
+
+def nbits_tensor_arrays(
+    geometry: tuple[int, int, int, int],
+    b: ir.TensorProtocol,
+    scales: ir.TensorProtocol,
+    zero_points: ir.TensorProtocol | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`nbits_dequantize_arrays` from a node's ``(K, N, bits, block_size)`` and tensors.
+
+    The codes are unpacked as they are stored (no float is read or rounded): the same codes.
+    """
+    k, n, bits, block = geometry
+    k_blocks = -(-k // block)
+    codes = unpack_matmul_nbits(read_array(b), k, bits, block)
+    s = read_array(scales).reshape(n, k_blocks)
+    if zero_points is None:
         zp = np.full((n, k_blocks), zero_point(bits), dtype=np.uint8)
     else:
-        packed = zp_value.const_value.numpy().reshape(n, -1)
+        packed = read_array(zero_points).reshape(n, -1)
         zp = unpack_bits(packed, bits).reshape(n, -1)[:, :k_blocks] if bits == 4 else packed
     dtype = ml_dtypes.uint4 if bits == 4 else np.uint8
     return (
         np.ascontiguousarray(codes.T).astype(dtype),
-        np.ascontiguousarray(scales.T),
+        np.ascontiguousarray(s.T),
         np.ascontiguousarray(zp.T).astype(dtype),
     )

@@ -45,6 +45,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.loops.proof import (
     analyse_loop,
     loop_candidates,
 )
+from onnx_moe_fuse.rewrites.canonical.experts.loops.quantized import stack_quantized
 from onnx_moe_fuse.rewrites.canonical.experts.loops.values import Mask
 from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import GROUPED_MATMUL_OPSET
 from onnx_moe_fuse.rewrites.graph.edits import ancestors, remove_dead
@@ -106,6 +107,14 @@ class _Builder:
         return out
 
     def stacked(self, refs, base: str) -> ir.Value:
+        if refs[0].quantized is not None:
+            # the codes, scales and zero points stacked as they are, one DequantizeLinear
+            parts, block = stack_quantized([r.quantized for r in refs], self.names, base)
+            for value in parts:
+                self.graph.register_initializer(value)
+            out = self.node("DequantizeLinear", parts, base, axis=1, block_size=block)
+            out.type = ir.TensorType(refs[0].dtype)
+            return out
         value = stack_weights(refs, self.names(base))
         self.graph.register_initializer(value)
         return value

@@ -12,8 +12,9 @@ activation between them treats each row on its own (the element-wise ops of
 :mod:`~onnx_moe_fuse.rewrites.canonical.experts.rowwise` with constant operands shared by every row, and ``Split`` / ``Slice``
 along the feature axis), which is what lets it run unchanged on the per-slot ``[T, k, N]``
 values. A weight is an initializer ``[K, N]``, ``Transpose(W, [1, 0])`` of one ``[N, K]``
-(a ``Gemm(transB=1)`` / ``Linear`` after NormalizeSpellings), or ``Gather(W, j)`` of a stacked
-``[E', K, N]`` one. The :class:`ExpertMLP`'s ``signature`` holds everything but the weights
+(a ``Gemm(transB=1)`` / ``Linear`` after NormalizeSpellings), ``Gather(W, j)`` of a stacked
+``[E', K, N]`` one, or a blocked DequantizeLinear of constants (:mod:`.quantized`: ORT's
+MatMulNBits, once presented as DQ). The :class:`ExpertMLP`'s ``signature`` holds everything but the weights
 (ops, attributes, activation constants by value, weight shapes and dtypes): two experts have
 the same structure exactly when their signatures are equal.
 
@@ -31,6 +32,10 @@ from typing import NamedTuple
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.canonical.experts.loops.quantized import (
+    QuantizedWeight,
+    quantized_weight,
+)
 from onnx_moe_fuse.rewrites.canonical.experts.rowwise import ELEMENTWISE, per_slot_operands
 from onnx_moe_fuse.rewrites.canonical.experts.value_proofs import (
     const_shape,
@@ -57,11 +62,15 @@ _FEATURE_AXES = (1, -1)
 
 @dataclass
 class WeightRef:
-    """One expert's ``[K, N]`` weight: ``source``, its transpose, or its ``index``-th entry."""
+    """One expert's ``[K, N]`` weight: ``source``, its transpose, or its ``index``-th entry.
+
+    ``quantized``: the weight is a blocked DequantizeLinear (``source`` its codes).
+    """
 
     source: ir.Value
     transposed: bool = False
     index: int | None = None
+    quantized: QuantizedWeight | None = None
 
     @property
     def key(self) -> tuple[int, int | None]:
@@ -78,8 +87,15 @@ class WeightRef:
 
     @property
     def dtype(self) -> ir.DataType:
-        """The weight's element type."""
+        """The weight's element type (the dequantized one for a quantized weight)."""
+        if self.quantized is not None:
+            return self.quantized.dtype
         return self.source.const_value.dtype
+
+    @property
+    def quantization(self) -> tuple | None:
+        """The quantisation two experts must share (None: float weights)."""
+        return None if self.quantized is None else self.quantized.signature
 
     def array(self) -> np.ndarray:
         """The ``[K, N]`` numbers (reads the tensor)."""
@@ -102,6 +118,9 @@ def _initializer(value: ir.Value | None, rank: int) -> bool:
 def _weight(value: ir.Value, e: int, matmul: ir.Node) -> WeightRef:
     if _initializer(value, 2):
         return WeightRef(value)
+    quantized = quantized_weight(value)
+    if quantized is not None:
+        return WeightRef(quantized.codes, quantized=quantized)
     node = producer_op(value, "Transpose", "Gather")
     if node is not None and node.op_type == "Transpose":
         perm = node.attributes.get("perm")
@@ -117,7 +136,8 @@ def _weight(value: ir.Value, e: int, matmul: ir.Node) -> WeightRef:
     where = "a graph input" if value.is_graph_input() else "not a float initializer"
     raise Refusal(
         f"expert {e}: the weight {value.name!r} of {label(matmul)} is {where} (nor its "
-        "transpose, nor one entry of a stacked initializer)"
+        "transpose, nor one entry of a stacked initializer, nor a blocked DequantizeLinear of "
+        "constants)"
     )
 
 
@@ -352,7 +372,8 @@ def read_expert_mlp(y: ir.Value, e: int) -> ExpertMLP:
     if not reader.fc1:
         raise Refusal(f"expert {e}: fc1: no projection of the rows before {label(fc2_node)}")
     weights = tuple(
-        (p.weight.dims, str(p.weight.dtype), _bias_key(p.bias)) for p in [*reader.fc1, fc2]
+        (p.weight.dims, str(p.weight.dtype), p.weight.quantization, _bias_key(p.bias))
+        for p in [*reader.fc1, fc2]
     )
     signature = (tuple(reader.entries), act_ref, weights)
     nodes = [n for p in reader.fc1 for n in _projection_nodes(p)] + reader.act
