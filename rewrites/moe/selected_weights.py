@@ -222,9 +222,11 @@ class _Slots:
             return self.slot_columns(node, depth)
         if op == "Softmax" or op in _REDUCE:
             return self.along_slots(node, value, depth)
+        if op == "Identity" and node.inputs[0] is not None:
+            return self.kind(node.inputs[0], depth)
         if op in _LAYOUT:
             src = node.inputs[0]
-            if src is None or static_last_dim(src) != static_last_dim(value):
+            if src is None or _width(src) != _width(value):
                 raise self.fail(
                     f"{op} '{label(node)}' regroups the routing weights across slots", node
                 )

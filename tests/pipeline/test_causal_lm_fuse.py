@@ -123,7 +123,7 @@ def _one_export_per_family(families: tuple[str, ...]) -> list[str]:
     return [chosen[f] for f in families if f in chosen]
 
 
-@pytest.mark.parametrize("name", _one_export_per_family(TOPK_ROUTER_FAMILIES))
+@pytest.mark.parametrize("name", _one_export_per_family((*TOPK_ROUTER_FAMILIES, "phimoe")))
 def test_topk_router_family_passes_verify(name: str) -> None:
     """``--verify``'s check (the project's WebGPU kernels and ORT) on a fused router family."""
     from onnx_moe_fuse.verify.checker import verify
@@ -134,3 +134,81 @@ def test_topk_router_family_passes_verify(name: str) -> None:
     assert report.passed, report.summary()
     for path in ("wgpu", "ort"):
         assert report.paths[path].status == "passed", report.summary()
+
+
+#: Families with a router the fused op does not compute itself (fed as selection and weights),
+#: and two it does (softmax top-k, top-k softmax), as controls.
+INT4_FAMILIES = (*TOPK_ROUTER_FAMILIES, "phimoe", "qwen3_moe", "gpt_oss")
+#: input_ids shapes: one token, and two rows of a prime length
+TOKEN_SHAPES = ((1, 1), (2, 7))
+
+
+def _int4_models() -> dict[str, onnx.ModelProto]:
+    from test_exported_models_fuse import quantized
+
+    return {
+        # half of them without value_info (a quantiser that rebuilds the graph drops it)
+        name: quantized(onnx.load(CAUSAL / RECORDS[name]["file"]), block=16, keep_value_info=i % 2)
+        for i, name in enumerate(_one_export_per_family(INT4_FAMILIES))
+    }
+
+
+def _ids(record: dict, shape: tuple[int, int], seed: int) -> np.ndarray:
+    vocab = record["config"]["vocab_size"]
+    return np.random.default_rng(seed).integers(0, vocab, size=shape, dtype=np.int64)
+
+
+def test_int4_router_families_fuse_exactly_for_cpu_and_webgpu(tmp_path) -> None:
+    """Each family with int4 experts becomes QMoE for ort-cpu and ort-webgpu, exactly.
+
+    ORT CPU runs the fused model against the quantised original (1e-5 of the logits' scale, on
+    fresh ids of two token counts); onnxruntime-webgpu 1.27 (its CPU provider: no adapter here)
+    runs the ort-webgpu model against the same.
+    """
+    from webgpu_jobs import run_webgpu_job
+
+    models, feeds, want = {}, {}, {}
+    for name, q in _int4_models().items():
+        record = RECORDS[name]
+        layers = sum(e["outcome"] == "MoE" for e in record["expected_layers"])
+        for target in ("ort-cpu", "ort-webgpu"):
+            result = fuse(q, target=target)
+            ops = collections.Counter(f["op"] for f in result.report.fusions)
+            assert ops == {"QMoE": layers}, (name, target, result.report.near_misses)
+            for i, shape in enumerate(TOKEN_SHAPES):
+                ids = {"input_ids": _ids(record, shape, seed=11 + i)}
+                ref = session(q).run(None, ids)[0].astype(np.float64)
+                got = session(result.model).run(None, ids)[0].astype(np.float64)
+                err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+                assert err <= 1e-5, (name, target, shape, err)
+                if target == "ort-webgpu" and i == 1:
+                    models[name], feeds[name], want[name] = result.model, ids, ref
+    results = run_webgpu_job(tmp_path, models, feeds)
+    assert results.pop("onnxruntime") == "1.27.0"
+    for name, result in results.items():
+        assert result["status"] == "ran", (name, result)
+        got = np.load(tmp_path / f"{name}.out.npz")["logits"].astype(np.float64)
+        err = float(np.max(np.abs(got - want[name])) / np.max(np.abs(want[name])))
+        assert err <= 1e-5, (name, "onnxruntime-webgpu", err)
+
+
+def test_exports_without_value_info_fuse_as_with_it() -> None:
+    """A model another tool stripped of ``value_info`` fuses every layer all the same.
+
+    The working copy's undeclared values get ONNX's inferred shapes
+    (``rewrites/canonical/shapes/infer_missing_shapes.py``); the output is unchanged.
+    """
+    for name in _one_export_per_family((*INT4_FAMILIES, "mixtral", "olmoe", "qwen2_moe")):
+        record = RECORDS[name]
+        bare = onnx.load(CAUSAL / record["file"])
+        del bare.graph.value_info[:]
+        result = fuse(bare)
+        ops = collections.Counter(f["op"] for f in result.report.fusions)
+        assert sorted(ops.items()) == sorted((op, n) for op, n in record["expected"]), (
+            name,
+            result.report.near_misses,
+        )
+        ids = {"input_ids": _ids(record, (2, 7), seed=5)}
+        ref = session(bare).run(None, ids)[0].astype(np.float64)
+        got = session(result.model).run(None, ids)[0].astype(np.float64)
+        assert float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))) <= 1e-5, name

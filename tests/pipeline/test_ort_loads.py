@@ -14,24 +14,19 @@ On CI the webgpu venv must exist; elsewhere its tests are skipped with the reaso
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from webgpu_jobs import run_webgpu_job, webgpu_python
 
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.samples import all_samples
 from onnx_moe_fuse.verify.checker import ort_inexact_reasons, verify
 from onnx_moe_fuse.verify.reference import random_feeds, run_reference
 
-ON_CI = os.environ.get("CI", "").lower() == "true"
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("webgpu_load.py")
 FUSING = [s for s in all_samples(kind="all") if s.expected]
 
 
@@ -43,14 +38,7 @@ def _fused(sample, target: str) -> tuple[onnx.ModelProto, FusionReport]:
 
 
 def _webgpu_python() -> str:
-    python = os.environ.get("ORT_WEBGPU_PYTHON") or str(ROOT / ".venv-webgpu" / "bin" / "python")
-    if not Path(python).is_file():
-        if ON_CI:
-            pytest.fail(f"onnxruntime-webgpu venv missing on CI: {python}")
-        pytest.skip(
-            "no onnxruntime-webgpu venv (run scripts/bootstrap.sh test, or set ORT_WEBGPU_PYTHON)"
-        )
-    return python
+    return webgpu_python()
 
 
 @pytest.mark.parametrize("sample", FUSING, ids=[s.name for s in FUSING])
@@ -63,28 +51,7 @@ def test_fused_for_cpu_runs_in_onnxruntime_cpu(sample):
 
 
 def _webgpu_job(tmp_path: Path, models: dict[str, onnx.ModelProto]) -> dict:
-    job = []
-    for name, model in models.items():
-        path = tmp_path / f"{name}.onnx"
-        onnx.save(model, path)
-        np.savez(tmp_path / f"{name}.in.npz", **random_feeds(model, 7))
-        job.append(
-            {
-                "name": name,
-                "model": str(path),
-                "feeds": str(tmp_path / f"{name}.in.npz"),
-                "outputs": str(tmp_path / f"{name}.out.npz"),
-            }
-        )
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    done = subprocess.run(
-        [_webgpu_python(), str(SCRIPT), str(tmp_path / "job.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_webgpu_job(tmp_path, models, {n: random_feeds(m, 7) for n, m in models.items()})
 
 
 def test_every_sample_fused_for_webgpu_loads_in_onnxruntime_webgpu(tmp_path):

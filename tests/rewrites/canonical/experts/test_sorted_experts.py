@@ -275,7 +275,9 @@ def _before_the_pass(model: ir.Model) -> ir.Model:
     (PhiMoE's two ArgMax rounds are one TopK only once the spelling pass has run.)
     """
     copy = model.clone()
-    for stage in canonicalisation_passes()[:3]:
+    for stage in canonicalisation_passes():
+        if type(stage).__name__ == "CanonicalSlotsPass":  # the layer-form passes start here
+            break
         stage(copy)
     return copy
 
