@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_causal_lm_families import FAMILIES, Family, make_config  # noqa: E402
 from export_causal_lm_onnx import PATCHES, broken_fusion, export, first_line  # noqa: E402
 from export_records import jsonable, ort_session, rel_err, versions  # noqa: E402
+from upcast import upcast_to_float32  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "exported" / "causal_lm"
 SEED = 0
@@ -57,8 +58,17 @@ REF_IDS_SHAPE = (2, 8)
 CHECK_SHAPES = [(1, 1), (1, 5), (3, 11)]
 MAX_FILE_BYTES = 2 << 20
 # float16 logits against PyTorch's float16 CPU run: rounding differs op by op (ORT computes
-# some fp16 ops in float32 internally, PyTorch others), so the tolerance is looser.
-RTOL = {"float32": 1e-4, "float16": 2e-2}
+# some fp16 ops in float32 internally, PyTorch others), so the tolerance is looser; bfloat16
+# (8 significant bits) looser again, and checked on the export upcast to float32 (ORT 1.32 CPU
+# runs few bfloat16 ops: see ``upcast_to_float32``).
+RTOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
+#: The file-name tail of each half-precision dtype.
+DTYPE_TAIL = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16"}
+#: The families also exported in float16 and bfloat16 at opset 18 (dynamic, batched_mm): one of
+#: each router kind the fuser meets in half precision (softmax top-k renormalised, upcast before
+#: or after the softmax; top-k then softmax with clamped SwiGLU and biases; DeepSeek-V3's
+#: sigmoid group-limited top-k).
+HALF_OPSET18 = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -69,15 +79,14 @@ class Variant:
     impl: str  # "batched_mm" or "grouped_mm" (ignored by families that do not dispatch)
     dynamic: bool
     opset: int
-    dtype: str  # "float32" or "float16"
+    dtype: str  # "float32", "float16" or "bfloat16"
 
     @property
     def name(self) -> str:
-        """``<family>_<impl>_<dynamic|static>_op<opset>[_fp16]``."""
+        """``<family>_<impl>_<dynamic|static>_op<opset>[_fp16|_bf16]``."""
         impl = self.impl if self.family.dispatches_experts else "dense_bmm"
         shape = "dynamic" if self.dynamic else "static"
-        tail = "_fp16" if self.dtype == "float16" else ""
-        return f"{self.family.name}_{impl}_{shape}_op{self.opset}{tail}"
+        return f"{self.family.name}_{impl}_{shape}_op{self.opset}{DTYPE_TAIL[self.dtype]}"
 
 
 def priority(variant: Variant) -> int:
@@ -94,12 +103,17 @@ def priority(variant: Variant) -> int:
         ("grouped_mm", False, 23, "float32"),
         ("grouped_mm", True, 23, "float16"),
         ("batched_mm", False, 23, "float16"),
+        ("batched_mm", True, 18, "float16"),
+        ("batched_mm", True, 18, "bfloat16"),
     ]
     return tiers.index((variant.impl, variant.dynamic, variant.opset, variant.dtype))
 
 
 def variants(family: Family) -> list[Variant]:
-    """Every export of ``family``: the float32 grid, plus float16 opset 23 (dynamic, or static too)."""
+    """Every export of ``family``: the float32 grid, plus float16 opset 23 (dynamic, or static too).
+
+    The families of :data:`HALF_OPSET18` also in float16 and bfloat16 at opset 18.
+    """
     impls = ["batched_mm", "grouped_mm"] if family.dispatches_experts else ["batched_mm"]
     out = [
         Variant(family, impl, dynamic, opset, "float32")
@@ -110,6 +124,8 @@ def variants(family: Family) -> list[Variant]:
     out += [Variant(family, impl, True, 23, "float16") for impl in impls]
     if family.static_fp16:
         out.append(Variant(family, "batched_mm", False, 23, "float16"))
+    if family.name in HALF_OPSET18:
+        out += [Variant(family, "batched_mm", True, 18, dt) for dt in ("float16", "bfloat16")]
     return out
 
 
@@ -141,6 +157,8 @@ def build(variant: Variant) -> tuple[torch.nn.Module, Any]:
                 tensor.normal_(0.0, 0.1)
     if variant.dtype == "float16":
         model = model.half()
+    elif variant.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
     return LogitsOnly(model).eval(), cfg
 
 
@@ -162,24 +180,59 @@ def random_ids(shape: tuple[int, int], seed: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
+#: The fused ops' kernels per (target, dtype) the records state outcomes for, as measured
+#: (``scripts/measure_half_kernels.py``; ``fuser/contract/targets.py`` is the fuser's copy):
+#: ORT 1.32 CPU has no bfloat16 MoE; ORT CUDA registers MoE for float, float16 and bfloat16.
+_NO_KERNEL = {("ort-cpu", "bfloat16"): "ort-cpu has no bfloat16 MoE kernel (ORT 1.32 CPU)"}
+
+
+def _layer_outcome(family: Family, cfg: Any, dtype: str, target: str) -> dict[str, Any]:
+    """What a correct fuser does with one MoE layer of ``family`` in ``dtype`` for ``target``.
+
+    A half-precision layer fuses in its own dtype where the target has the kernel, fed as its
+    selection and weights (the model's own experts per token, whatever the rounding of its
+    router): its routing attributes are the construction's, so only the layer's own (k, the
+    activation) are pinned; where the target has no kernel it is refused naming the target.
+    """
+    outcome = family.expected_layer(cfg)
+    if dtype == "float32" or outcome["outcome"] != "MoE":
+        return outcome
+    if (target, dtype) in _NO_KERNEL:
+        return {"outcome": "refused", "refusal_names": "target", "why": _NO_KERNEL[(target, dtype)]}
+    attrs = {k: v for k, v in outcome["attributes"].items() if k != "normalize_routing_weights"}
+    return {"outcome": "MoE", "attributes": attrs}
+
+
 def expected_record(family: Family, cfg: Any, layers: list[tuple[int, str]], dtype: str) -> Any:
-    """``expected`` (fused ops, [[op, count]]) and ``expected_layers`` (per decoder layer)."""
+    """What a correct fuser does with each layer: records for the default target, and CUDA.
+
+    ``expected`` (fused ops, ``[[op, count]]``) and ``expected_layers`` (per decoder layer) for
+    ort-cpu; ``expected_ort_cuda`` (``[[op, count]]``) for ort-cuda (kept for half precision).
+    """
     per_layer = []
+    cuda = collections.Counter()
     for index, block in layers:
         if not block:
             per_layer.append({"layer": index, "block": "dense MLP", "outcome": "no MoE"})
             continue
-        if dtype != "float32":
-            outcome = {
-                "outcome": "refused",
-                "refusal_names": "dtype",
-                "why": f"{dtype} experts: the fuser handles float32 only",
-            }
-        else:
-            outcome = family.expected_layer(cfg)
+        outcome = _layer_outcome(family, cfg, dtype, "ort-cpu")
         per_layer.append({"layer": index, "block": block, **outcome})
+        if _layer_outcome(family, cfg, dtype, "ort-cuda")["outcome"] == "MoE":
+            cuda["MoE"] += 1
     fused = collections.Counter(e["outcome"] for e in per_layer if e["outcome"] == "MoE")
-    return [[op, n] for op, n in sorted(fused.items())], per_layer
+    expected = [[op, n] for op, n in sorted(fused.items())]
+    return expected, per_layer, [[op, n] for op, n in sorted(cuda.items())]
+
+
+def _checked_form(path: Path, dtype: str) -> Path | bytes:
+    """What ORT CPU checks: the export, or for bfloat16 its float32 twin (``upcast.py``).
+
+    ORT 1.32 CPU has no bfloat16 ``Mul``/``MatMul`` kernels, so a bfloat16 export is checked
+    against PyTorch's bfloat16 logits on the same graph computing in float32.
+    """
+    if dtype != "bfloat16":
+        return path
+    return upcast_to_float32(onnx.load(str(path))).SerializeToString()
 
 
 def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
@@ -206,7 +259,7 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
     plain_errors = []
     while True:
         try:
-            session = ort_session(path)
+            session = ort_session(_checked_form(path, variant.dtype))
             session.run(None, {"input_ids": ids.numpy()})
             break
         except Exception as exc:  # noqa: BLE001 (a known opset-23 fusion fault is retried)
@@ -251,14 +304,19 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
     tol = RTOL[variant.dtype]
     if max(errors.values()) > tol:
         raise RuntimeError(f"ORT vs PyTorch max relative error {errors} over {tol}")
+    # bfloat16 logits are stored widened to float32 (exact): numpy has no bfloat16 of its own,
+    # and an npz of ml_dtypes' bfloat16 reads back as raw bytes
+    stored = variant.dtype if variant.dtype != "bfloat16" else "float32"
     np.savez_compressed(
         out_dir / f"{variant.name}.npz",
         input_ids=ref_ids,
-        logits=ref_logits.astype(variant.dtype),
+        logits=ref_logits.astype(stored),
     )
 
     layers = moe_layers(module, variant.family)
-    expected, expected_layers = expected_record(variant.family, cfg, layers, variant.dtype)
+    expected, expected_layers, expected_cuda = expected_record(
+        variant.family, cfg, layers, variant.dtype
+    )
     hist = collections.Counter(n.op_type for n in model.graph.node)
     record = {
         "name": variant.name,
@@ -287,14 +345,21 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
         "router": variant.family.router,
         "expected": expected,
         "expected_layers": expected_layers,
+        **({"expected_ort_cuda": expected_cuda} if variant.dtype != "float32" else {}),
         "reference": {
             "file": f"{variant.name}.npz",
             "input_ids_shape": list(REF_IDS_SHAPE),
             "logits_shape": list(ref_logits.shape),
-            "logits_dtype": variant.dtype,
+            "logits_dtype": stored,
             "rtol": tol,
         },
         "ort_vs_torch_max_rel_err": errors,
+        "ort_checked_on": (
+            "the export"
+            if variant.dtype != "bfloat16"
+            else "its float32 twin (sample_models/upcast.py): ORT 1.32 CPU has no bfloat16 "
+            "Mul/MatMul kernels"
+        ),
         "op_histogram": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
         "node_count": len(model.graph.node),
         "node_metadata_props": "dropped (torch.onnx provenance only)",

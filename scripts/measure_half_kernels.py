@@ -30,7 +30,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-E, K, H, I = 4, 2, 32, 16
+E, K, H, INTER = 4, 2, 32, 16
 DTYPES = {
     "float32": (np.float32, TensorProto.FLOAT),
     "float16": (np.float16, TensorProto.FLOAT16),
@@ -80,8 +80,8 @@ def _case(op: str, bits: int, dtype: str, rng: np.random.Generator) -> dict:
     t = 5
     x = rng.standard_normal((t, H)).astype(np_t)
     logits = rng.standard_normal((t, E)).astype(np_t)
-    w1 = (rng.standard_normal((E, 2 * I, H)) * 0.2).astype(np.float32)
-    w2 = (rng.standard_normal((E, H, I)) * 0.2).astype(np.float32)
+    w1 = (rng.standard_normal((E, 2 * INTER, H)) * 0.2).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, INTER)) * 0.2).astype(np.float32)
     attrs = dict(k=K, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=1)
     inits = []
     if op == "MoE":

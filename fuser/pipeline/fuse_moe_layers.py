@@ -117,9 +117,11 @@ def _only_user(node: ir.Node, op_type: str) -> ir.Node:
 
 
 def _end_of(node: ir.Node) -> ir.Node:
-    """The last node the rule put after the fused ``node``: its rescale ``Mul`` (the routing
-    construction's), then its ``Cast`` to the replaced value's type (a float32 combine of a
-    float16 layer); ``node`` itself when neither."""
+    """The last node the rule put after the fused ``node`` (``node`` itself when none).
+
+    Its rescale ``Mul`` (the routing construction's), then its ``Cast`` to the replaced value's
+    type (a float32 combine of a float16 layer).
+    """
     end = node
     if node.metadata_props.get(RESCALED_KEY):
         end = _only_user(end, "Mul")

@@ -38,7 +38,9 @@ __all__ = [
 
 _HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
 #: The float types a layer may compute in, or cast its routing weights and combine between.
-FLOAT_CASTS = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE})
+FLOAT_CASTS = frozenset(
+    {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+)
 #: ``{type: the types that hold each of its values exactly}`` among :data:`FLOAT_CASTS`.
 _WIDER = {
     ir.DataType.FLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
@@ -60,9 +62,13 @@ def precision_cast(value: ir.Value | None, *, widening: bool = False) -> ir.Node
     if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
         return None
     src = node.inputs[0] if node.inputs else None
-    if src is None or src.dtype not in FLOAT_CASTS or value.dtype not in FLOAT_CASTS:
+    to = node.attributes.get("to")
+    if src is None or to is None or to.is_ref() or len(node.attributes) != 1:
         return None
-    if widening and value.dtype not in _WIDER.get(src.dtype, frozenset()):
+    target = ir.DataType(to.as_int())  # a Cast's output type is its ``to``, declared or not
+    if src.dtype not in FLOAT_CASTS or target not in FLOAT_CASTS:
+        return None  # the source's type must be known (declared, as exporters write it)
+    if widening and target not in _WIDER.get(src.dtype, frozenset()):
         return None
     return node
 

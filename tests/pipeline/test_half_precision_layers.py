@@ -1,0 +1,156 @@
+"""Small float16 / bfloat16 layers: the fused node's dtype, routing ties, the casts it looks through.
+
+Built from the hand-written ReLU layer ``reciprocal_renorm`` (``onnx_moe_fuse.samples``), turned
+into what a half-precision export writes: weights, tokens and output in float16 (or bfloat16),
+the router softmax computed in float32 (``Cast`` of the logits up, torch's ``.float()``), and
+the float32 routing weights either cast down to the experts' type before the combine (Qwen3's
+spelling) or multiplied into FC2's output cast up to float32, summed in float32 and cast back
+(Mixtral's). Each is fused and run in ORT CPU against the original on fresh inputs.
+
+Ties: three experts get the same router column, so their float16 logits are equal on every
+token, and the top-k takes two of three tied experts on most rows. ONNX TopK keeps the lowest
+indices, ORT's own MoE routing the highest: a fused node left to route by itself would use
+other experts. The half-precision layer is fed its own TopK selection, so the fused model
+matches the original on every row (and a float32 twin of the layer, where ties are as rare as
+random inputs make them, keeps ORT's own softmax routing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_moe_fuse import fuse
+from onnx_moe_fuse.samples.handwritten_sparse import reciprocal_renorm
+from onnx_moe_fuse.verify.checker import verify
+from onnx_moe_fuse.verify.ort_nodes import session
+
+HALF = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+TIED = (0, 1, 2)  # experts whose router columns are equal (E = 6, k = 3)
+
+
+def _half_layer(dtype: str, combine: str, tie: bool = True) -> onnx.ModelProto:
+    """``reciprocal_renorm`` as a ``dtype`` export: router in float32, combine ``combine``.
+
+    ``combine``: ``"cast_weights"`` (the float32 weights cast to ``dtype``, Qwen3's export) or
+    ``"sum_float32"`` (FC2's output cast up, weighted and summed in float32, cast back:
+    Mixtral's).
+    """
+    model = reciprocal_renorm().model
+    g = model.graph
+    elem = HALF[dtype]
+    inits = []
+    for t in g.initializer:
+        if t.data_type == TensorProto.FLOAT:
+            array = numpy_helper.to_array(t)
+            if t.name == "router" and tie:
+                array = array.copy()
+                array[:, list(TIED)] = array[:, [TIED[0]]]
+            t = helper.make_tensor(t.name, elem, array.shape, array.flatten().tolist())
+        inits.append(t)
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    for v in (*g.input, *g.output):
+        v.type.tensor_type.elem_type = elem
+    nodes = list(g.node)
+    by_out = {o: n for n in nodes for o in n.output}
+    by_out["probs"].input[0] = "logits_f32"  # the router's softmax in float32
+    new = [helper.make_node("Cast", ["logits"], ["logits_f32"], to=TensorProto.FLOAT)]
+    if combine == "cast_weights":
+        by_out["weights_3d"].input[0] = "top_w_half"
+        new.append(helper.make_node("Cast", ["top_w"], ["top_w_half"], to=elem))
+    else:
+        by_out["weighted"].input[0] = "fc2_out_f32"
+        by_out["y"].output[0] = "y_f32"
+        new.append(helper.make_node("Cast", ["fc2_out"], ["fc2_out_f32"], to=TensorProto.FLOAT))
+        new.append(helper.make_node("Cast", ["y_f32"], ["y"], to=elem))
+    del g.node[:]
+    for n in nodes:  # each new Cast right after the node its input comes from
+        g.node.append(n)
+        for c in new:
+            if c.input[0] in n.output:
+                g.node.append(c)
+    onnx.checker.check_model(model, full_check=True)
+    # value types declared, as exporters write them (the casts are looked through where the
+    # graph says what they cast from)
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+
+
+def _inputs(model: onnx.ModelProto, seed: int, tokens: int = 9) -> dict[str, np.ndarray]:
+    elem = model.graph.input[0].type.tensor_type.elem_type
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    x = np.random.default_rng(seed).standard_normal((tokens, 32)).astype(dtype)
+    return {"x": x}
+
+
+def _rel_err(original: onnx.ModelProto, fused: onnx.ModelProto, seed: int) -> float:
+    feeds = _inputs(original, seed)
+    (want,) = session(original).run(None, feeds)
+    (got,) = session(fused).run(None, feeds)
+    want, got = want.astype(np.float64), got.astype(np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("combine", ["cast_weights", "sum_float32"])
+def test_float16_layer_with_float32_router_fuses_in_float16(combine: str) -> None:
+    original = _half_layer("float16", combine)
+    result = fuse(original)
+    (fusion,) = result.report.fusions
+    assert fusion["op"] == "MoE"
+    assert fusion["routing"]["construction"] == "logits"  # fed its own selection and weights
+    (node,) = [n for n in result.model.graph.node if n.op_type == "MoE"]
+    inferred = onnx.shape_inference.infer_shapes(result.model, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    types.update((v.name, v.type.tensor_type.elem_type) for v in inferred.graph.input)
+    assert types[node.input[0]] == types[node.input[1]] == TensorProto.FLOAT16
+    for seed in (1, 2):
+        err = _rel_err(original, result.model, seed)
+        assert err <= 5e-3, f"{combine}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("combine", ["cast_weights", "sum_float32"])
+def test_tied_float16_logits_select_the_models_experts(combine: str) -> None:
+    """Rows whose top-k cuts through tied experts: ORT's own routing would pick others."""
+    original = _half_layer("float16", combine, tie=True)
+    feeds = _inputs(original, 3)
+    x = feeds["x"].astype(np.float64)
+    router = numpy_helper.to_array(
+        next(t for t in original.graph.initializer if t.name == "router")
+    ).astype(np.float64)
+    logits = (x @ router).astype(np.float16)
+    cut = [np.sort(row)[::-1][2] == row[TIED[0]] for row in logits]  # the 3rd place is tied
+    assert sum(cut) >= 3  # the test means something: most rows split the tied group
+    fused = fuse(original).model
+    for seed in (3, 4, 5):
+        err = _rel_err(original, fused, seed)
+        assert err <= 5e-3, f"{combine}: rel err {err:.2e} (other experts selected?)"
+
+
+def test_float16_layer_passes_verify() -> None:
+    original = _half_layer("float16", "sum_float32")
+    report = verify(original, fuse(original).model, seeds=(0, 1))
+    assert report.passed, report.summary()
+    assert report.paths["wgpu"].status == "passed" and report.paths["ort"].status == "passed"
+
+
+def test_bfloat16_layer_refused_on_ort_cpu_fused_for_cuda() -> None:
+    original = _half_layer("bfloat16", "cast_weights")
+    cpu = fuse(original)
+    assert cpu.report.fusions == []
+    (miss,) = [m for m in cpu.report.near_misses if m["part"] == "target"]
+    assert "ort-cpu has no bfloat16 MoE kernel" in miss["reason"] and "ort-cuda" in miss["reason"]
+    assert cpu.model.SerializeToString() == original.SerializeToString()
+    cuda = fuse(original, target="ort-cuda")
+    (fusion,) = cuda.report.fusions
+    assert fusion["op"] == "MoE"
+    report = verify(original, cuda.model, seeds=(0,))
+    assert report.passed, report.summary()  # WebGPU path (float32 compute, bfloat16 I/O)
+
+
+def test_float32_layer_keeps_its_own_softmax_routing() -> None:
+    """The same layer in float32 (no casts): ORT's softmax routing as before, no construction."""
+    result = fuse(reciprocal_renorm().model)
+    (fusion,) = result.report.fusions
+    assert fusion.get("routing") is None
