@@ -69,6 +69,11 @@ DTYPE_TAIL = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16"}
 #: or after the softmax; top-k then softmax with clamped SwiGLU and biases; DeepSeek-V3's
 #: sigmoid group-limited top-k).
 HALF_OPSET18 = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+#: Families whose bfloat16 export cannot be typed at opset 18: their router's TopK reads
+#: bfloat16 (TopK takes bfloat16 from opset 24 on), or a ConstantOfShape makes bfloat16 (from
+#: opset 20); measured, ``onnx.checker`` full check: "X typestr: T, has unsupported type:
+#: tensor(bfloat16)". They are exported at opset 24 instead.
+BF16_OPSET = {"gpt_oss": 24, "deepseek_v3": 24}
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ def priority(variant: Variant) -> int:
         ("batched_mm", False, 23, "float16"),
         ("batched_mm", True, 18, "float16"),
         ("batched_mm", True, 18, "bfloat16"),
+        ("batched_mm", True, 24, "bfloat16"),
     ]
     return tiers.index((variant.impl, variant.dynamic, variant.opset, variant.dtype))
 
@@ -112,7 +118,8 @@ def priority(variant: Variant) -> int:
 def variants(family: Family) -> list[Variant]:
     """Every export of ``family``: the float32 grid, plus float16 opset 23 (dynamic, or static too).
 
-    The families of :data:`HALF_OPSET18` also in float16 and bfloat16 at opset 18.
+    The families of :data:`HALF_OPSET18` also in float16 and bfloat16 at opset 18 (bfloat16 at
+    :data:`BF16_OPSET` where opset 18 cannot type it).
     """
     impls = ["batched_mm", "grouped_mm"] if family.dispatches_experts else ["batched_mm"]
     out = [
@@ -125,7 +132,8 @@ def variants(family: Family) -> list[Variant]:
     if family.static_fp16:
         out.append(Variant(family, "batched_mm", False, 23, "float16"))
     if family.name in HALF_OPSET18:
-        out += [Variant(family, "batched_mm", True, 18, dt) for dt in ("float16", "bfloat16")]
+        out.append(Variant(family, "batched_mm", True, 18, "float16"))
+        out.append(Variant(family, "batched_mm", True, BF16_OPSET.get(family.name, 18), "bfloat16"))
     return out
 
 
@@ -192,7 +200,8 @@ def _layer_outcome(family: Family, cfg: Any, dtype: str, target: str) -> dict[st
     A half-precision layer fuses in its own dtype where the target has the kernel, fed as its
     selection and weights (the model's own experts per token, whatever the rounding of its
     router): its routing attributes are the construction's, so only the layer's own (k, the
-    activation) are pinned; where the target has no kernel it is refused naming the target.
+    activation, its constants as the export rounds them) are pinned; where the target has no
+    kernel it is refused naming the target.
     """
     outcome = family.expected_layer(cfg)
     if dtype == "float32" or outcome["outcome"] != "MoE":
@@ -200,6 +209,9 @@ def _layer_outcome(family: Family, cfg: Any, dtype: str, target: str) -> dict[st
     if (target, dtype) in _NO_KERNEL:
         return {"outcome": "refused", "refusal_names": "target", "why": _NO_KERNEL[(target, dtype)]}
     attrs = {k: v for k, v in outcome["attributes"].items() if k != "normalize_routing_weights"}
+    for name in ("activation_alpha", "activation_beta", "swiglu_limit"):
+        if name in attrs:  # the export holds the constant in its dtype (1.702 -> 1.7021484375)
+            attrs[name] = float(torch.tensor(attrs[name], dtype=getattr(torch, dtype)).item())
     return {"outcome": "MoE", "attributes": attrs}
 
 

@@ -2,7 +2,7 @@
 
 The opset-18 float16 and bfloat16 2-layer ``*ForCausalLM`` exports of Mixtral, Qwen3-MoE,
 gpt-oss and DeepSeek-V3 (``sample_models/exported/causal_lm/*_op18_fp16|_bf16``; torch.onnx
-dynamo, as the float32 ones) are what real checkpoints export to: a float32 router (a Cast up
+dynamo, as the float32 ones; gpt-oss's and DeepSeek-V3's bfloat16 at opset 24, see below) are what real checkpoints export to: a float32 router (a Cast up
 of the half-precision hidden states, or of the logits, or of the softmax) inside a half-precision
 model, experts in half precision, the combine summed in float32 or in half precision. Here,
 for the default target ort-cpu and for ort-cuda:
@@ -40,7 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CAUSAL = ROOT / "sample_models" / "exported" / "causal_lm"
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 FP16 = [f"{f}_batched_mm_dynamic_op18_fp16" for f in FAMILIES]
-BF16 = [f"{f}_batched_mm_dynamic_op18_bf16" for f in FAMILIES]
+#: gpt-oss's and DeepSeek-V3's bfloat16 exports are at opset 24: their routers' TopK reads
+#: bfloat16, which ONNX types from opset 24 on (the export script's ``BF16_OPSET``)
+BF16_OPSET = {"gpt_oss": 24, "deepseek_v3": 24}
+BF16 = [f"{f}_batched_mm_dynamic_op{BF16_OPSET.get(f, 18)}_bf16" for f in FAMILIES]
 #: fused vs original, max |diff| / max |original| over the logits (2 layers, measured <= 1.1e-3
 #: for float16; bfloat16 upcast twins agree to float32 rounding)
 HALF_RTOL = 1e-2
@@ -107,6 +110,25 @@ def _check_nodes(model: onnx.ModelProto, dtype: str, target: str, count: int) ->
         assert attrs == target_named(target).attribute_names("MoE"), attrs
 
 
+def _check_recorded_attributes(fusions: list[dict], record: dict) -> None:
+    """Each fused layer has the attributes its record pins (k, activation, constants)."""
+    pinned = [e["attributes"] for e in record["expected_layers"] if e["outcome"] == "MoE"]
+    pinned = pinned or [e["attributes"] for e in _float16_twin(record)["expected_layers"]
+                        if e["outcome"] == "MoE"]  # fmt: skip
+    assert len(fusions) == len(pinned)
+    for fusion, want in zip(fusions, pinned, strict=True):
+        for name, value in want.items():
+            if isinstance(value, str):
+                assert fusion["attributes"][name] == value, (name, fusion)
+            else:
+                assert fusion["attributes"][name] == pytest.approx(value, rel=1e-6), (name, fusion)
+
+
+def _float16_twin(record: dict) -> dict:
+    """The float16 opset-18 record of a bfloat16 export's family (ort-cpu refuses bfloat16)."""
+    return _record(f"{record['family']}_batched_mm_dynamic_op18_fp16")
+
+
 @pytest.mark.parametrize("target", ["ort-cpu", "ort-cuda"])
 @pytest.mark.parametrize("name", FP16)
 def test_float16_export_fuses_every_layer_and_matches_ort(name: str, target: str) -> None:
@@ -118,6 +140,7 @@ def test_float16_export_fuses_every_layer_and_matches_ort(name: str, target: str
     assert sorted(emitted.items()) == sorted((op, n) for op, n in want)
     assert want == [["MoE", _moe_layers(record)]]
     _check_nodes(result.model, "float16", target, _moe_layers(record))
+    _check_recorded_attributes(result.report.fusions, record)
     err = _rel_err(original, result.model)  # ORT CPU runs the float16 MoE of either target
     assert err <= HALF_RTOL, f"{name} ({target}): fused vs original rel err {err:.2e}"
 
@@ -152,6 +175,9 @@ def test_bfloat16_export_fuses_for_cuda_and_matches_its_float32_twin(name: str) 
     emitted = collections.Counter(f["op"] for f in result.report.fusions)
     assert sorted(emitted.items()) == sorted((op, n) for op, n in record["expected_ort_cuda"])
     _check_nodes(result.model, "bfloat16", "ort-cuda", _moe_layers(record))
+    for fusion in result.report.fusions:  # the export's constants, rounded to bfloat16
+        if record["family"] == "gpt_oss":
+            assert fusion["attributes"]["activation_alpha"] == 1.703125
     # ORT CPU runs no bfloat16 Mul/MatMul/MoE: both models compute in float32 instead, so
     # what is left is the fused node's formula against the layer's (to float32 rounding)
     upcast = _upcast()
