@@ -13,6 +13,12 @@ indices, ORT's own MoE routing the highest: a fused node left to route by itself
 other experts. The half-precision layer is fed its own TopK selection, so the fused model
 matches the original on every row (and a float32 twin of the layer, where ties are as rare as
 random inputs make them, keeps ORT's own softmax routing).
+
+Twins: every hand-written layer that fuses (``onnx_moe_fuse.samples.handwritten``: MoE and
+QMoE, dense and sparse forms, every router family), retyped wholesale to float16 (scales too)
+or bfloat16 (``sample_models/upcast.retype_floats``): float16 fuses into the same op on ORT CPU
+(QMoE also for ort-webgpu where it is swiglu) and matches the original on a decode step and a
+prefill; bfloat16 is refused on ort-cpu and fuses for ort-cuda, its float32 twin matching.
 """
 
 from __future__ import annotations
@@ -154,3 +160,91 @@ def test_float32_layer_keeps_its_own_softmax_routing() -> None:
     result = fuse(reciprocal_renorm().model)
     (fusion,) = result.report.fusions
     assert fusion.get("routing") is None
+
+
+# -- every hand-written layer that fuses, as its float16 and bfloat16 twins ---------------------
+
+
+def _retype():
+    """``sample_models/upcast.py``'s ``retype_floats`` (torch-free; loaded by path)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "sample_models" / "upcast.py"
+    spec = importlib.util.spec_from_file_location("upcast", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.retype_floats
+
+
+def _fusing_layers() -> list[str]:
+    from onnx_moe_fuse.samples.handwritten import HANDWRITTEN
+    from onnx_moe_fuse.samples.handwritten_graph import Fused
+
+    return [n for n, build in HANDWRITTEN.items() if isinstance(build().expected, Fused)]
+
+
+def _twin(name: str, elem: int) -> tuple[onnx.ModelProto, str]:
+    """The hand-written layer ``name`` with every float32 tensor and value made ``elem``."""
+    from onnx_moe_fuse.samples.handwritten import HANDWRITTEN
+
+    layer = HANDWRITTEN[name]()
+    return _retype()(layer.model, TensorProto.FLOAT, elem), layer.expected.op
+
+
+def _feeds(model: onnx.ModelProto, tokens: int, seed: int) -> dict[str, np.ndarray]:
+    out = {}
+    for v in model.graph.input:
+        t = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else tokens for d in t.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+        out[v.name] = np.random.default_rng(seed).standard_normal(dims).astype(dtype)
+    return out
+
+
+def _max_rel(a: onnx.ModelProto, b: onnx.ModelProto, tokens: int, seed: int) -> float:
+    feeds = _feeds(a, tokens, seed)
+    (want,) = session(a).run(None, feeds)
+    (got,) = session(b).run(None, feeds)
+    want, got = want.astype(np.float64), got.astype(np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", _fusing_layers())
+def test_float16_twin_of_every_fusing_layer_fuses_and_matches(name: str) -> None:
+    """MoE and QMoE (float16 scales) in float16 on ORT CPU; QMoE for ort-webgpu too."""
+    model, op = _twin(name, TensorProto.FLOAT16)
+    result = fuse(model)
+    assert [f["op"] for f in result.report.fusions] == [op], result.report.near_misses
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    static = all(d.HasField("dim_value") for d in dims)
+    for tokens, seed in ((7, 1),) if static else ((1, 0), (7, 1)):  # decode step and prefill
+        err = _max_rel(model, result.model, tokens, seed)
+        assert err <= 5e-3, f"{name} on {tokens} tokens: rel err {err:.2e}"
+    if op == "QMoE":  # onnxruntime-webgpu's QMoE: float16 too, swiglu only
+        webgpu = fuse(model, target="ort-webgpu")
+        swiglu = result.report.fusions[0]["attributes"]["activation_type"] == "swiglu"
+        assert [f["op"] for f in webgpu.report.fusions] == ([op] if swiglu else [])
+
+
+@pytest.mark.parametrize("name", _fusing_layers())
+def test_bfloat16_twin_fuses_for_cuda_only(name: str) -> None:
+    """ort-cpu refuses bfloat16 (no kernel); ort-cuda fuses it.
+
+    MoE, and QMoE (which CUDA registers for float16/bfloat16 only); the fused model's float32
+    twin matches the layer's.
+    """
+    model, op = _twin(name, TensorProto.BFLOAT16)
+    cpu = fuse(model)
+    assert cpu.report.fusions == []
+    assert any("bfloat16" in m["reason"] and m["part"] == "target" for m in cpu.report.near_misses)
+    cuda = fuse(model, target="ort-cuda")
+    assert [f["op"] for f in cuda.report.fusions] == [op], cuda.report.near_misses
+    up = _retype()
+    wide = (
+        up(model, TensorProto.BFLOAT16, TensorProto.FLOAT),
+        up(cuda.model, TensorProto.BFLOAT16, TensorProto.FLOAT),
+    )
+    err = _max_rel(*wide, 7, 2)
+    assert err <= 1e-2, f"{name}: float32 twins rel err {err:.2e}"
