@@ -248,3 +248,28 @@ def test_bfloat16_twin_fuses_for_cuda_only(name: str) -> None:
     )
     err = _max_rel(*wide, 7, 2)
     assert err <= 1e-2, f"{name}: float32 twins rel err {err:.2e}"
+
+
+def test_float32_weights_cast_down_to_a_float16_layer_fuse() -> None:
+    """A mixed-precision export keeps float32 weights and casts them to the layer's float16.
+
+    The cast folds on the constants (to exactly what ORT's Cast computes), and the layer fuses
+    into a float16 MoE with those float16 weights.
+    """
+    model = _half_layer("float16", "cast_weights", tie=False)
+    g = model.graph
+    casts = []
+    for t in list(g.initializer):
+        if t.name in ("w1", "w2"):
+            wide = numpy_helper.to_array(t).astype(np.float32)
+            g.initializer.remove(t)
+            g.initializer.append(numpy_helper.from_array(wide, f"{t.name}_f32"))
+            cast = helper.make_node("Cast", [f"{t.name}_f32"], [t.name], to=TensorProto.FLOAT16)
+            casts.append(cast)
+    for c in reversed(casts):
+        g.node.insert(0, c)
+    onnx.checker.check_model(model, full_check=True)
+    result = fuse(model)
+    assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
+    for seed in (1, 2):
+        assert _rel_err(model, result.model, seed) <= 5e-3
