@@ -137,13 +137,21 @@ def _routing_record(node: ir.Node, graph: ir.Graph) -> dict[str, Any] | None:
         return None
     topk = _producer_of(graph, node.metadata_props.get(TOPK_KEY))
     form = classify_router(topk) if topk is not None else None
-    return {
+    record = {
         "construction": construction,
         "rescaled": bool(node.metadata_props.get(RESCALED_KEY)),
         "router": form.kind if form is not None else "unknown",
         "router_description": form.description if form is not None else "",
         "topk": label(topk),
     }
+    dtype = _activation_dtype(node)
+    if dtype not in (None, "float32"):
+        # why a softmax router the node could compute itself is fed as its selection
+        record["why"] = (
+            f"the layer computes in {dtype}: fed the model's own selection, so router values "
+            f"that tie or swap in {dtype} cannot change which experts a token uses"
+        )
+    return record
 
 
 def apply_target_attributes(node: ir.Node, target: Target) -> None:
@@ -268,6 +276,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 "replaced": list(result.replaced),
                 "kept": list(result.kept),
                 "attributes": {k: attr_value(a) for k, a in result.node.attributes.items()},
+                "dtype": _activation_dtype(node),
             }
             routing = _routing_record(node, work.graph)
             if routing is not None:

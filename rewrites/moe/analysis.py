@@ -247,6 +247,7 @@ def finish_layer(
         bits=bits if op == "QMoE" else 0,
         block=block if op == "QMoE" else 0,
         dtype=dtype,
+        out_dtype=b.get("combine_dtype"),
         layer_nodes=layer_nodes,
     )
 

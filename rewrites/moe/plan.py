@@ -122,6 +122,9 @@ class LayerPlan:
     weights_sum_to_one: bool = False
     # the float type the fused node computes in (its input, output, router and scales)
     dtype: ir.DataType = ir.DataType.FLOAT
+    # the type the combine sums in when a widening Cast makes it wider than ``dtype`` (a
+    # float16 export's float32 combine), known even where the graph does not declare it
+    out_dtype: ir.DataType | None = None
 
     @property
     def quantized(self) -> bool:

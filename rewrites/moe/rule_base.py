@@ -293,7 +293,7 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
             **attributes,
         )
         out = fused if routing is None else routing.rescaled(op, fused)
-        layer_dtype = plan.root.outputs[0].dtype
+        layer_dtype = plan.root.outputs[0].dtype or plan.out_dtype
         if layer_dtype is not None and layer_dtype != plan.dtype:
             # the layer sums in a wider type than its experts (a float16 export's float32
             # combine): the fused output, of type T, is cast to the type of the value it replaces

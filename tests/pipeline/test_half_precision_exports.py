@@ -141,6 +141,7 @@ def test_float16_export_fuses_every_layer_and_matches_ort(name: str, target: str
     assert want == [["MoE", _moe_layers(record)]]
     _check_nodes(result.model, "float16", target, _moe_layers(record))
     _check_recorded_attributes(result.report.fusions, record)
+    assert {f["dtype"] for f in result.report.fusions} == {"float16"}
     err = _rel_err(original, result.model)  # ORT CPU runs the float16 MoE of either target
     assert err <= HALF_RTOL, f"{name} ({target}): fused vs original rel err {err:.2e}"
 
@@ -175,6 +176,7 @@ def test_bfloat16_export_fuses_for_cuda_and_matches_its_float32_twin(name: str) 
     emitted = collections.Counter(f["op"] for f in result.report.fusions)
     assert sorted(emitted.items()) == sorted((op, n) for op, n in record["expected_ort_cuda"])
     _check_nodes(result.model, "bfloat16", "ort-cuda", _moe_layers(record))
+    assert {f["dtype"] for f in result.report.fusions} == {"bfloat16"}
     for fusion in result.report.fusions:  # the export's constants, rounded to bfloat16
         if record["family"] == "gpt_oss":
             assert fusion["attributes"]["activation_alpha"] == 1.703125

@@ -104,8 +104,9 @@ def test_float16_layer_with_float32_router_fuses_in_float16(combine: str) -> Non
     original = _half_layer("float16", combine)
     result = fuse(original)
     (fusion,) = result.report.fusions
-    assert fusion["op"] == "MoE"
+    assert fusion["op"] == "MoE" and fusion["dtype"] == "float16"
     assert fusion["routing"]["construction"] == "logits"  # fed its own selection and weights
+    assert "float16" in fusion["routing"]["why"]
     (node,) = [n for n in result.model.graph.node if n.op_type == "MoE"]
     inferred = onnx.shape_inference.infer_shapes(result.model, strict_mode=True)
     types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
@@ -159,7 +160,7 @@ def test_float32_layer_keeps_its_own_softmax_routing() -> None:
     """The same layer in float32 (no casts): ORT's softmax routing as before, no construction."""
     result = fuse(reciprocal_renorm().model)
     (fusion,) = result.report.fusions
-    assert fusion.get("routing") is None
+    assert fusion.get("routing") is None and fusion["dtype"] == "float32"
 
 
 # -- every hand-written layer that fuses, as its float16 and bfloat16 twins ---------------------
@@ -273,3 +274,28 @@ def test_float32_weights_cast_down_to_a_float16_layer_fuse() -> None:
     assert [f["op"] for f in result.report.fusions] == ["MoE"], result.report.near_misses
     for seed in (1, 2):
         assert _rel_err(model, result.model, seed) <= 5e-3
+
+
+def test_float32_combine_sum_undeclared_still_gets_its_type_back() -> None:
+    """The float32 sum's type comes from the combine's widening Cast, declared or not.
+
+    The fused float16 output is cast up before the model's own cast back down.
+    """
+    model = _half_layer("float16", "sum_float32", tie=False)
+    g = model.graph
+    # a float32 consumer of the sum (a residual in float32) before the cast back
+    (back,) = [n for n in g.node if n.output[0] == "y"]
+    back.input[0] = "y_res"
+    g.node.insert(list(g.node).index(back), helper.make_node("Add", ["y_f32", "res"], ["y_res"]))
+    g.initializer.append(numpy_helper.from_array(np.full((32,), 0.5, np.float32), "res"))
+    kept = [v for v in g.value_info if v.name != "y_f32"]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    onnx.checker.check_model(model, full_check=True)
+    result = fuse(model)
+    (fusion,) = result.report.fusions
+    assert fusion["dtype"] == "float16"
+    onnx.checker.check_model(result.model, full_check=True)  # types agree everywhere
+    casts = [n for n in result.model.graph.node if n.op_type == "Cast"]
+    assert any(helper.get_attribute_value(c.attribute[0]) == TensorProto.FLOAT for c in casts)
+    assert _rel_err(model, result.model, 4) <= 5e-3

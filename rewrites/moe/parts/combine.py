@@ -98,13 +98,15 @@ def recognise_combine(root: ir.Node, form: str | None = None) -> CombineFact:
         nodes = tuple(match.nodes)
         if b.pop("sum_cast", "none") == "upcast":
             summed = root.inputs[0]
-            if precision_cast(summed, widening=True) is None:
+            cast = precision_cast(summed, widening=True)
+            if cast is None:
                 raise Refusal(
                     f"the combine's ReduceSum '{label(root)}' sums a Cast that is not a widening "
                     "float cast (float16/bfloat16 -> float32): the weighted slots would change",
                     summed.producer() or root,
                     part="combine",
                 )
+            b["combine_dtype"] = ir.DataType(cast.attributes["to"].as_int())
         upcast = precision_cast(expert_out, widening=True)
         if upcast is not None:
             # a float16 export sums in float32: Mul(Cast(y16, to=float), w32). The Cast is
@@ -112,6 +114,7 @@ def recognise_combine(root: ir.Node, form: str | None = None) -> CombineFact:
             expert_out = upcast.inputs[0]
             nodes = (*nodes, upcast)
             b["combine_upcast"] = upcast
+            b["combine_dtype"] = ir.DataType(upcast.attributes["to"].as_int())
         return CombineFact(
             form=f,
             root=root,
