@@ -54,6 +54,7 @@ from onnx_moe_fuse.rewrites.moe.activation_proof import (
     granularity,
     swiglu_params,
 )
+from onnx_moe_fuse.rewrites.moe.parts.facts import HALF_TYPES, precision_cast
 from onnx_moe_fuse.rewrites.moe.plan import (
     LAYER_DTYPES,
     MOE_ACTIVATIONS,
@@ -204,11 +205,13 @@ def finish_layer(
         # QMoE always renormalises its own softmax: weights used as they are go in as the
         # selection and its weights (router_weights, or log-weights and a rescale)
         routing = routing.as_selected(b["routing_weights"])
-    if not routing.selected and (dtype != ir.DataType.FLOAT or b.get("routing_casts")):
+    half = dtype != ir.DataType.FLOAT or b.get("routing_casts") or _half_router(routing)
+    if not routing.selected and half:
         # the node would run the router in its own dtype: router logits rounded to float16
         # can tie, or swap near-ties, where the model's float32 softmax did not (and ORT breaks
-        # ties towards the highest index, TopK towards the lowest). Fed as the model's own
-        # selection and weights, the experts each token uses are exactly the model's
+        # ties towards the highest index, TopK towards the lowest); a float32 layer whose
+        # router logits come from float16 ties as often. Fed as the model's own selection and
+        # weights, the experts each token uses are exactly the model's
         routing = routing.as_selected(b["routing_weights"])
     if routing.selected:
         with part("routing"):
@@ -362,6 +365,12 @@ def _target(
             routing.topk,
         )
     return op, bits, block, dtype
+
+
+def _half_router(routing: Routing) -> bool:
+    """The router logits the node would read are a Cast of float16/bfloat16 values."""
+    cast = precision_cast(routing.router_probs)
+    return cast is not None and cast.inputs[0].dtype in HALF_TYPES
 
 
 def _weights_stay_inside(

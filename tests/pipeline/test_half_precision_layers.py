@@ -299,3 +299,31 @@ def test_float32_combine_sum_undeclared_still_gets_its_type_back() -> None:
     casts = [n for n in result.model.graph.node if n.op_type == "Cast"]
     assert any(helper.get_attribute_value(c.attribute[0]) == TensorProto.FLOAT for c in casts)
     assert _rel_err(model, result.model, 4) <= 5e-3
+
+
+def test_float32_layer_with_a_float16_router_is_fed_its_selection() -> None:
+    """A float32 layer whose router runs in float16 (logits cast up): its ties are float16's.
+
+    Three tied router columns again: the node is fed the model's own selection (the logits
+    construction), and the fused model matches the original on every row.
+    """
+    model = reciprocal_renorm().model
+    g = model.graph
+    for t in list(g.initializer):
+        if t.name == "router":
+            array = numpy_helper.to_array(t).copy()
+            array[:, list(TIED)] = array[:, [TIED[0]]]
+            g.initializer.remove(t)
+            g.initializer.append(numpy_helper.from_array(array.astype(np.float16), "router"))
+    (mm,) = [n for n in g.node if n.output[0] == "logits"]
+    mm.input[0], mm.output[0] = "x16", "logits16"
+    at = list(g.node).index(mm)
+    g.node.insert(at, helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16))
+    g.node.insert(at + 2, helper.make_node("Cast", ["logits16"], ["logits"], to=TensorProto.FLOAT))
+    onnx.checker.check_model(model, full_check=True)
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    result = fuse(model)
+    (fusion,) = result.report.fusions
+    assert fusion["dtype"] == "float32" and fusion["routing"]["construction"] == "logits"
+    for seed in (3, 4):
+        assert _rel_err(model, result.model, seed) <= 1e-5

@@ -31,12 +31,15 @@ __all__ = [
     "ProjectionFact",
     "RoutingFact",
     "FLOAT_CASTS",
+    "HALF_TYPES",
     "half_precision",
     "precision_cast",
 ]
 
 
 _HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
+#: The half-precision float types.
+HALF_TYPES = frozenset(_HALF)
 #: The float types a layer may compute in, or cast its routing weights and combine between.
 FLOAT_CASTS = frozenset(
     {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
