@@ -99,14 +99,16 @@ def test_folds_int4_transpose_before_dequantize(rng):
     np.testing.assert_array_equal(run(folded, {"x": x})[0], expected)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_float32_weights_cast_to_float16_fold_to_the_casts_values(rng):
     """A mixed-precision export's float32 weight cast down to the float16 layer: folded.
 
     The folded constant is exactly what ORT's Cast computes (numpy rounds as it does: to
     nearest even, overflow to inf; run here through an Identity, halfway values and overflow
-    included). The models then agree within one float16 ulp, not bit for bit: ORT CPU's float16
-    ``Mul`` of a Cast's output rounds differently from its ``Mul`` of an initializer (measured:
-    the initializer's product is the correctly rounded one).
+    included). The models then agree within one float16 ulp, not bit for bit: ORT CPU computes
+    the original's float16 ``Mul`` in float32 behind casts it inserts and drops the Cast's
+    rounding on the way (measured: ``x * Cast(70000.0)`` comes out finite there, and products
+    of ordinary weights differ by an ulp), while the folded weight is the Cast's value.
     """
     w = weights(rng, (3, 4))
     f16 = np.float16(1.0)
@@ -137,10 +139,13 @@ def test_float32_weights_cast_to_float16_fold_to_the_casts_values(rng):
     x = weights(rng, (3, 4), np.float16)
     (want,) = run(model(cast, [tensor("W", w)], [3, 4], x_dtype=TensorProto.FLOAT16), {"x": x})
     (got,) = run(folded, {"x": x})
-    finite = np.isfinite(want)
-    np.testing.assert_array_equal(got[~finite], want[~finite])
+    # ORT runs the original's Cast + float16 Mul with its inserted float32 casts, the Cast's
+    # rounding dropped (measured: 70000 stays 70000 there, the product finite), so compare
+    # where the float16 weight is finite, within one float16 ulp
+    finite = np.isfinite(w.astype(np.float16)) & np.isfinite(want)
     ulp = np.spacing(np.abs(want[finite]).astype(np.float16)).astype(np.float64)
     assert np.all(np.abs(got[finite].astype(np.float64) - want[finite]) <= ulp)
+    assert np.all(np.isinf(got[~np.isfinite(w.astype(np.float16))]))  # ONNX's Cast: inf
 
 
 def test_float32_weights_cast_to_bfloat16_fold():
