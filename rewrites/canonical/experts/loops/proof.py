@@ -279,8 +279,8 @@ def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
     tokens = first.tokens
     if first.mlp.fc2.weight.dtype != ir.DataType.FLOAT:
         raise Refusal(
-            f"the experts compute in {first.mlp.fc2.weight.dtype}; the layer rules fuse float32 "
-            "experts only"
+            f"the experts compute in {first.mlp.fc2.weight.dtype}; this pass reads float32 expert "
+            "loops only (its per-expert casts and the slots it builds are float32's)"
         )
     dims = value_dims(tokens)
     if dims[1].syms or dims[1].coef != hidden or first.mlp.fc1[0].weight.dims[0] != hidden:
