@@ -7,7 +7,7 @@ stored PyTorch output. Negative tests break one link of the proof in the sample 
 another permutation, bin edges, expert order, a non-row-wise activation) and check the block comes
 out byte-identical with a reason. The causal-LM exports in ``sample_models/exported/causal_lm``
 (whole models, several families, dynamic and static shapes) fuse every layer their metadata expects
-through ``fuse`` and match PyTorch; float16 exports fuse nothing and are refused naming the dtype.
+through ``fuse`` and match PyTorch (float16 ones too, their float32 combine's Cast kept).
 The static export's folded un-sort constants are broken one at a time (not ``arange``, a longer
 blank, slots of another token count) and stay refused. The pass records each refusal, as it runs,
 for the routing TopK whose ids it sorts. A hypothesis property builds random hand-written blocks
