@@ -78,7 +78,8 @@ def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False
     if not fusions:
         print("nothing fused")
     for f in fusions:
-        print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
+        dtype = f" ({f['dtype']})" if f.get("dtype") not in (None, "float32") else ""
+        print(f"fused {f['op']}{dtype} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
         routing = f.get("routing")
         if explain and routing:
             rescale = ", the output rescaled per token" if routing["rescaled"] else ""
@@ -86,6 +87,8 @@ def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False
                 f"  routing: {routing['construction']} construction{rescale}; the router "
                 f"({routing['router']}: {routing['router_description']}) stays in the graph"
             )
+            if routing.get("why"):
+                print(f"  ({routing['why']})")
     default = " (the default; --target picks another runtime)"
     print(f"target {target.name}{default if target.name == DEFAULT_TARGET else ''}")
 

@@ -21,7 +21,7 @@ import onnx
 import torch
 
 if TYPE_CHECKING:
-    from export_causal_lm import Variant
+    from export_causal_lm_grid import Variant
 
 
 # -- export --------------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ The exports (``sample_models/exported/causal_lm/``, written by
 ``sample_models/export_causal_lm.py``) cover nineteen families (DeepSeek-V2 twice: greedy and
 group-limited top-k), both transformers experts
 implementations (``batched_mm``, ``grouped_mm``), dynamic and static shapes, opsets 18 and 23,
-float32 and float16. Each record says what a correct fuser must do with each layer (``expected``
+float32 and float16 (and bfloat16 for four families at opset 18). Each record says what a correct fuser must do with each layer (``expected``
 and ``expected_layers``), written from the family's modeling code, not from what the fuser does.
 Here: the fused model holds exactly the expected MoE nodes, reproduces the stored PyTorch logits
-in ORT CPU, and every refused layer's near miss names what the record says it must (the router
-or the dtype), with the model left byte-identical when nothing fuses.
+in ORT CPU, and every refused layer's near miss names what the record says it must (the router,
+or the target for bfloat16 on ort-cpu), with the model left byte-identical when nothing fuses.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from onnx_moe_fuse.verify.ort_nodes import session
 CAUSAL = Path(__file__).resolve().parents[2] / "sample_models" / "exported" / "causal_lm"
 INDEX = json.loads((CAUSAL / "index.json").read_text())["models"]
 RECORDS = {m["name"]: json.loads((CAUSAL / f"{m['name']}.json").read_text()) for m in INDEX}
-RTOL = 1e-4
+#: fused ORT vs PyTorch logits: float32 as the exports' own check; float16 the export's 2e-2
+#: (ORT vs PyTorch rounds differently op by op; the fusion adds about 1e-3 of its own)
+RTOL = {"float32": 1e-4, "float16": 2e-2}
 #: words a near miss must hold for each kind of recorded refusal
-REFUSAL_WORDS = {"router": ("router not fus",), "dtype": ("float16",)}
+REFUSAL_WORDS = {"router": ("router not fus",), "target": ("ort-cpu has no", "kernel")}
 
 
 def _refusals(record: dict) -> collections.Counter[str]:
@@ -64,7 +66,7 @@ def test_export_fuses_as_recorded(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", sorted(n for n, r in RECORDS.items() if r["expected"] and r["dtype"] == "float32")
+    "name", sorted(n for n, r in RECORDS.items() if r["expected"] and r["dtype"] in RTOL)
 )
 def test_fused_export_matches_pytorch(name: str) -> None:
     record = RECORDS[name]
@@ -72,9 +74,9 @@ def test_fused_export_matches_pytorch(name: str) -> None:
     stored = np.load(CAUSAL / f"{name}.npz")
     feeds = {i.name: stored[i.name] for i in fused.graph.input if i.name in stored}
     (logits,) = session(fused).run(["logits"], feeds)
-    want = stored["logits"]
-    err = float(np.abs(logits - want).max() / np.abs(want).max())
-    assert err <= RTOL, f"{name}: fused ORT vs PyTorch rel err {err:.2e}"
+    want = stored["logits"].astype(np.float64)
+    err = float(np.abs(logits.astype(np.float64) - want).max() / np.abs(want).max())
+    assert err <= RTOL[record["dtype"]], f"{name}: fused ORT vs PyTorch rel err {err:.2e}"
 
 
 def _fused_families() -> set[tuple[str, str]]:

@@ -91,3 +91,54 @@ def test_onnxruntime_webgpu_refuses_the_cpu_attribute_set(tmp_path):
     assert results["cpu_qmoe"]["status"] == "failed"
     assert "unknown attributes ['accuracy_level', 'weights_prepacked']" in error
     assert "Unrecognized attribute" in error.partition("ORT: ")[2]  # ORT's own schema check
+
+
+def _float16_qmoe_twins() -> dict[str, tuple[onnx.ModelProto, onnx.ModelProto]]:
+    """Float16 twins of the hand-written SwiGLU QMoE layers: ``{name: (original, fused)}``.
+
+    Fused for ort-webgpu; the original retyped wholesale (``sample_models/upcast.py``).
+    """
+    import importlib.util
+
+    from onnx_moe_fuse import fuse
+    from onnx_moe_fuse.samples.handwritten import HANDWRITTEN
+
+    spec = importlib.util.spec_from_file_location("upcast", ROOT / "sample_models" / "upcast.py")
+    assert spec is not None and spec.loader is not None
+    upcast = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upcast)
+    out = {}
+    for name, build in HANDWRITTEN.items():
+        layer = build()
+        if getattr(layer.expected, "op", None) != "QMoE":
+            continue
+        model = upcast.retype_floats(layer.model, onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+        fused = fuse(model, target="ort-webgpu")
+        if fused.report.fusions:
+            out[f"{name}_fp16"] = (model, fused.model)
+    return out
+
+
+def test_float16_qmoe_fused_for_webgpu_runs_in_onnxruntime_webgpu(tmp_path):
+    """float16 QMoE (float16 scales and router inputs) loads and runs in onnxruntime-webgpu 1.27.
+
+    On its CPU provider (the WebGPU provider finds no adapter here), against the float16
+    original run in ORT 1.32 CPU (this venv), within float16's tolerance.
+    """
+    _webgpu_python()
+    twins = _float16_qmoe_twins()
+    assert len(twins) >= 3
+    results = _webgpu_job(tmp_path, {name: fused for name, (_, fused) in twins.items()})
+    assert results.pop("onnxruntime") == "1.27.0"
+    from onnx_moe_fuse.verify.ort_nodes import session
+
+    for name, result in results.items():
+        assert result["status"] == "ran", (name, result)
+        got = dict(np.load(tmp_path / f"{name}.out.npz"))
+        feeds = dict(np.load(tmp_path / f"{name}.in.npz"))
+        want = dict(zip([o.name for o in twins[name][0].graph.output],
+                        session(twins[name][0]).run(None, feeds), strict=True))  # fmt: skip
+        for out, ref in want.items():
+            ref = ref.astype(np.float64)
+            err = float(np.max(np.abs(got[out].astype(np.float64) - ref)))
+            assert err <= 5e-3 * float(np.max(np.abs(ref))), (name, out, err)
