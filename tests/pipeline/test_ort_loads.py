@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from webgpu_jobs import run_webgpu_job, webgpu_python
+from webgpu_jobs import ROOT, run_webgpu_job, webgpu_python
 
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.samples import all_samples
