@@ -43,7 +43,8 @@ def _exports() -> list[tuple[str, Path, dict]]:
     index = json.loads((CAUSAL / "index.json").read_text())["models"]
     for entry in index:
         record = json.loads((CAUSAL / f"{entry['name']}.json").read_text())
-        if record["dtype"] == "float32" and "batched_mm_dynamic" in entry["name"]:
+        dynamic = "batched_mm_dynamic" in entry["name"] or "dense_bmm_dynamic" in entry["name"]
+        if record["dtype"] == "float32" and dynamic:  # (Llama4's experts: dense bmm)
             chosen.setdefault(record["family"], (CAUSAL / record["file"], record))
     llama4 = json.loads((BLOCKS / "llama4_text_moe.json").read_text())
     chosen["llama4 (block)"] = (BLOCKS / "llama4_text_moe.onnx", llama4)

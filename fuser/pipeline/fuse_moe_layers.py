@@ -31,7 +31,7 @@ from onnx_moe_fuse.pipeline.report import FusionReport
 from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_origin
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
 from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
-from onnx_moe_fuse.rewrites.graph.selection_rounds import selection_round
+from onnx_moe_fuse.rewrites.graph.selection_rounds import same_topk, selection_round
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
     FUSED_OPS,
@@ -393,7 +393,16 @@ def shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
 
 
 def _round_of_fused(node: ir.Node, fused_topks: set[str]) -> bool:
-    """A top-1 round (PhiMoE's) of a selection that fused: part of a router, not a layer."""
+    """Part of a fused layer's router, not a layer of its own.
+
+    A top-1 round (PhiMoE's) of a selection that fused, or a TopK computing the same as one
+    (Switch's ReduceMax beside its ArgMax).
+    """
+    fused = [
+        n for n in node.graph or () if n.op_type == "TopK" and n.outputs[0].name in fused_topks
+    ]
+    if any(same_topk(node, f) for f in fused):
+        return True
     found = selection_round(node.outputs[1]) if len(node.outputs) > 1 else None
     if found is None:
         return False

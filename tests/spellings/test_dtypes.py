@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 
 from onnx_moe_fuse import fuse
 
@@ -78,6 +78,9 @@ def test_float16_twin_fuses_and_matches_the_original(case: LayerCase) -> None:
 @settings(CI, max_examples=15)
 @given(supported_cases())
 def test_bfloat16_twin_fuses_for_cuda_only(case: LayerCase) -> None:
+    # Switch's ArgMax becomes a TopK, which takes bfloat16 only from opset 24 (the spelling
+    # pass leaves a bfloat16 ArgMax before it as it is: such a layer stays unfused)
+    assume(not (case.routing == "argmax_top1" and case.opset_version < 24))
     want = expected(case)
     model = _twin(case, BFLOAT16)
     cpu = fuse(model)

@@ -217,6 +217,11 @@ def fill_like_scores(z: ir.Value | None, routing: Routing) -> np.ndarray | None:
         return None
     if fill is None or np.asarray(fill).size == 0 or not np.all(fill == np.ravel(fill)[0]):
         return None
+    target = const_ints(shape_src) if shape_src is not None else None
+    static = scores.shape if scores is not None else None
+    if target is not None:  # the shape folded to constants (static or pinned dims)
+        ints = static is not None and all(isinstance(d, int) for d in static)
+        return np.ravel(fill)[:1] if ints and list(static) == target else None
     shape = shape_src.producer() if shape_src is not None else None
     if not is_op(shape, "Shape") or not _whole_shape(shape):
         return None

@@ -22,7 +22,6 @@ token times a zero score is NaN in the model's unselected experts).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,10 +100,17 @@ def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
     if not is_op(tr, "Transpose") or perm is None or list(perm.as_ints()) != [1, 0]:
         raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
     rs = only_consumer(tr.outputs[0], "the transposed scores")
+    if not is_op(rs, "Reshape") and scores.shape is not None and list(scores.shape)[:1] == [1]:
+        return tr.outputs[0], [tr]  # one token: [1, E] transposed is the column already
     target = const_ints(rs.inputs[1]) if is_op(rs, "Reshape") else None
-    static = scores.shape if scores.shape is not None else None
-    count = math.prod(static) if static and all(isinstance(d, int) for d in static) else None
-    if target is None or len(target) != 2 or target[1] != 1 or target[0] not in (-1, count):
+    # [-1, 1], or [n, 1] with n fixed (a static export): a Reshape of E*T elements to [n, 1]
+    # runs only for n = E*T, so on every input the model runs on, it is the column
+    if (
+        target is None
+        or len(target) != 2
+        or target[1] != 1
+        or not (target[0] == -1 or target[0] > 0)
+    ):
         raise Refusal(f"{label(rs)}: the [E, T] scores are not flattened to [E*T, 1]", rs)
     return rs.outputs[0], [tr, rs]
 
@@ -112,7 +118,9 @@ def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
 def _repeated_tokens(value: ir.Value | None, tokens: ir.Value, experts: int) -> list[ir.Node]:
     """``Tile(x, [E, 1])`` (x under a no-op ``Expand(x, [1, 1])``): E copies of the rows."""
     tile = value.producer() if value is not None else None
-    if not is_op(tile, "Tile") or const_ints(tile.inputs[1]) != [experts, 1]:
+    if _one_row_expanded(tile, experts):  # one token: the Tile became an Expand
+        pass  # Expand of [1, H] to [E, *]: E copies of the row, as Tile [E, 1] makes
+    elif not is_op(tile, "Tile") or const_ints(tile.inputs[1]) != [experts, 1]:
         raise Refusal("the scaled rows are not the tokens tiled E times (Tile [E, 1])", value)
     nodes, inner = [tile], tile.inputs[0]
     expand = inner.producer() if inner is not None else None
@@ -125,6 +133,16 @@ def _repeated_tokens(value: ir.Value | None, tokens: ir.Value, experts: int) -> 
             f"{label(tile)} tiles '{inner.name if inner else None}', not the router's tokens", tile
         )
     return nodes
+
+
+def _one_row_expanded(node: ir.Node | None, experts: int) -> bool:
+    """``Expand(x [1, H], [E, 1 | H])``: what the spelling pass makes of Tile [E, 1] at T = 1."""
+    if not is_op(node, "Expand") or node.inputs[0] is None:
+        return False
+    shape, src = const_ints(node.inputs[1]), node.inputs[0].shape
+    if shape is None or src is None or len(src) != 2 or src[0] != 1:
+        return False
+    return len(shape) == 2 and shape[0] == experts and shape[1] in (1, src[1])
 
 
 def _zero_row_is_zero(mlp: ExpertMLP) -> bool:
@@ -238,8 +256,17 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
         tile_nodes = _repeated_tokens(tiled, routing.tokens, e)
         view = only_consumer(mul.outputs[0], "the scaled rows")
         shape = const_ints(view.inputs[1]) if is_op(view, "Reshape") else None
-        tokens = _static_tokens(routing.tokens)
-        if shape is None or len(shape) != 3 or shape[0] != e or shape[1] not in (-1, tokens):
+        if is_op(view, "Unsqueeze") and node_axes(view) in ([1], [-2]) and e > 1:
+            # one token: the Reshape to [E, 1, H] became an Unsqueeze ([E*T, 1, H] batches
+            # against [E, H, N] weights run only for E*T = E when E > 1)
+            shape = [e, 1, -1]
+        # [E, -1, H], or [E, n, H] with n fixed: it runs only for n = T (the rows are E*T)
+        if (
+            shape is None
+            or len(shape) != 3
+            or shape[0] != e
+            or not (shape[1] == -1 or shape[1] > 0)
+        ):
             raise Refusal(f"{label(view)}: the scaled rows are not regrouped to [E, T, H]", view)
         root = _sum_over_experts(view.outputs[0])
     y = root.inputs[0]
@@ -288,12 +315,6 @@ def _widens(cast: ir.Node) -> bool:
     """A Cast to a float type that holds every value of its input's (float16 -> float32)."""
     src = cast.inputs[0]
     return src is not None and attr_int(cast, "to", 0) in _WIDER.get(src.dtype, set())
-
-
-def _static_tokens(tokens: ir.Value) -> int | None:
-    """T when the ``[T, H]`` tokens have a static row count (a static export), else None."""
-    shape = tokens.shape
-    return shape[0] if shape is not None and len(shape) == 2 and isinstance(shape[0], int) else None
 
 
 def _sum_over_experts(grouped: ir.Value) -> ir.Node:
