@@ -2,7 +2,7 @@
 
     onnx-moe-fuse IN.onnx -o OUT.onnx [--verify [--seeds 0,1,2]] [--report REPORT.json]
                   [--only QMoE,MoE] [--target ort-cpu|ort-cuda|ort-webgpu] [--explain | --quiet]
-                  [--debug]
+                  [--quantize int4|int8 [--block-size N]] [--accuracy-level N] [--debug]
     onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--seeds 0,1,2] [--explain]
     onnx-moe-fuse --self-check [--seed N] | --list-adapters | --version
 
@@ -16,7 +16,8 @@ SIGTERM, 129 SIGHUP: the run unwinds as for an error, removing the files it had 
 
 Everything that can be checked before work starts is checked first, in this order: the options
 (each single-value option given once, :class:`_Once`; no option that this command would ignore,
-:func:`check_combination`; ``--seeds``, ``--only``, ``--target``), the output paths (a
+:func:`check_combination`; ``--seeds``, ``--only``, ``--target``, ``--quantize``/``--block-size``,
+``--accuracy-level``), the output paths (a
 folder-like ``-o dir/`` is refused; :func:`onnx_moe_fuse.io.output_paths.check_output_paths`:
 none may be the input, its data or another output; their folders must exist and take files),
 the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates it), the WebGPU
@@ -51,6 +52,7 @@ from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
 
 if TYPE_CHECKING:
     from onnx_moe_fuse.progress import Progress
+    from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
@@ -79,6 +81,16 @@ def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False
         print("nothing fused")
     for f in fusions:
         print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
+        quant = f.get("quantization")
+        if quant:
+            block = quant["block_size"]
+            grain = f"blocks of {block}" if block else "per channel"
+            error = quant.get("max_rel_error")
+            measured = "not measured" if error is None else f"measured max rel error {error:.3g}"
+            print(
+                f"  quantised to int{quant['bits']} ({grain}) from {quant['from']}: not exact, "
+                f"{measured} against the float layer"
+            )
         routing = f.get("routing")
         if explain and routing:
             rescale = ", the output rescaled per token" if routing["rescaled"] else ""
@@ -86,6 +98,14 @@ def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False
                 f"  routing: {routing['construction']} construction{rescale}; the router "
                 f"({routing['router']}: {routing['router_description']}) stays in the graph"
             )
+    level = (report.get("quantization") or {}).get("accuracy_level")
+    if level is not None:
+        inexact = (
+            ": ORT CPU computes block-wise 4-bit QMoE with int8 activations (not exact)"
+            if level == 4
+            else ""
+        )
+        print(f"accuracy_level {level} on every QMoE node{inexact}")
     default = " (the default; --target picks another runtime)"
     print(f"target {target.name}{default if target.name == DEFAULT_TARGET else ''}")
 
@@ -163,6 +183,7 @@ def _needs_adapter() -> int | str:
 def _fuse_command(args: argparse.Namespace) -> int:
     from onnx_moe_fuse import api
     from onnx_moe_fuse.io.model_io import load_model, save_model_atomic
+    from onnx_moe_fuse.pipeline.quantized_layers import check_accuracy_level
     from onnx_moe_fuse.progress import Progress
 
     progress = Progress(quiet=args.quiet)
@@ -170,6 +191,14 @@ def _fuse_command(args: argparse.Namespace) -> int:
     seeds = parse_seeds("0,1,2" if args.seeds is None else args.seeds)
     only = parse_only(args.only)
     target = api.check_target(args.target or DEFAULT_TARGET)  # parsed once, handed down as it is
+    quantization = api.check_quantization(
+        args.quantize,
+        args.block_size,
+        target,
+        None if only is None else frozenset(only),
+        option="--quantize",
+    )
+    check_accuracy_level(args.accuracy_level, target)
     if args.demo:
         input_path = None
     else:
@@ -182,7 +211,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
         input_path = Path(args.input)
     _check_paths(args, input_path)
     if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
-        return _fuse_streaming(args, input_path, only, target, progress)
+        return _fuse_streaming(args, input_path, only, target, progress, quantization)
     if args.demo:
         from onnx_moe_fuse.samples import default_sample
 
@@ -198,7 +227,15 @@ def _fuse_command(args: argparse.Namespace) -> int:
         if isinstance(adapter, int):
             return adapter
 
-    result = api.fuse(original, only=only, target=target, progress=progress)
+    result = api.fuse(
+        original,
+        only=only,
+        target=target,
+        progress=progress,
+        quantize=args.quantize,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
+    )
     report: dict[str, Any] = {
         "input": str(input_path) if input_path else "demo sample",
         "output": args.output,
@@ -212,10 +249,16 @@ def _fuse_command(args: argparse.Namespace) -> int:
     ok = True
     if args.verify or args.demo:
         from onnx_moe_fuse.verify.checker import verify
+        from onnx_moe_fuse.verify.quant_error import verify_tolerance
 
         if result.fused:
             with progress.stage("verify"):
-                verification = verify(original, result.model, seeds=seeds)
+                verification = verify(
+                    original,
+                    result.model,
+                    seeds=seeds,
+                    quantization=verify_tolerance(result.report.fusions),
+                )
                 progress.detail = "passed" if verification.passed else "FAILED"
             report["verification"] = verification.to_dict()
             print(verification.summary())
@@ -249,11 +292,20 @@ def _fuse_streaming(
     only: set[str] | None,
     target: Target,
     progress: Progress,
+    quantization: Quantization | None = None,
 ) -> int:
     """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
     from onnx_moe_fuse.streaming_io import fuse_file
 
-    result = fuse_file(input_path, args.output, only=only, target=target, progress=progress)
+    result = fuse_file(
+        input_path,
+        args.output,
+        only=only,
+        target=target,
+        progress=progress,
+        quantize=quantization,
+        accuracy_level=args.accuracy_level,
+    )
     report: dict[str, Any] = {
         "input": str(input_path),
         "output": args.output,
