@@ -157,7 +157,9 @@ def check_quantization(
         )
     from onnx_moe_fuse.verify.quant_error import measure_quantization_error
 
-    return Quantization(bits, block, error_meter=measure_quantization_error)
+    return Quantization(
+        bits, block, error_meter=measure_quantization_error, default_block=block_size is None
+    )
 
 
 def fuse(

@@ -78,12 +78,14 @@ class Quantization:
     """What ``--quantize`` asks for: ``bits`` (4 or 8), ``block`` (0: per channel).
 
     ``error_meter`` measures each quantised layer against its float self (None: not measured;
-    the fronts always give one).
+    the fronts always give one). ``default_block``: ``block`` is the default, not the user's
+    (a refusal says so).
     """
 
     bits: int
     block: int
     error_meter: ErrorMeter | None = None
+    default_block: bool = False
 
     def __post_init__(self) -> None:
         """Refuse what QMoE cannot take (the fronts check first and name the option)."""
@@ -112,8 +114,9 @@ class Quantization:
             )
         if self.block and (hidden % self.block or inter % self.block):
             bad = [f"{n} = {v}" for n, v in (("H", hidden), ("I", inter)) if v % self.block]
+            given = f" (the default for {self.name})" if self.default_block else ""
             raise BlockSizeRefusal(
-                f"--block-size {self.block} does not divide {' and '.join(bad)}", at
+                f"--block-size {self.block}{given} does not divide {' and '.join(bad)}", at
             )
         return self.block
 
