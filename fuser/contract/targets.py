@@ -177,7 +177,7 @@ CONTRACTS: dict[str, dict[str, OpContract]] = {
 _MISSING: dict[tuple[str, str], str] = {
     ("ort-webgpu", "MoE"): (
         "ort-webgpu has no float MoE kernel (onnxruntime-webgpu 1.27): quantize the experts to "
-        "fuse into QMoE, or target ort-cpu or ort-cuda"
+        "fuse into QMoE (--quantize int4, not exact), or target ort-cpu or ort-cuda"
     ),
     ("ort-cpu", "MatMulNBitsQkv"): (
         "ort-cpu has no MatMulNBitsQkv kernel (ORT 1.32 CPU: NOT_IMPLEMENTED), so the norm and "
