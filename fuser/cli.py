@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import signal
 import sys
@@ -46,83 +44,16 @@ from onnx_moe_fuse.cli_options import (
     parse_only,
     parse_seeds,
 )
+from onnx_moe_fuse.cli_summary import print_fusions, print_near_misses, write_json_atomic
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
-from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
+from onnx_moe_fuse.io.output_paths import one_line
 
 if TYPE_CHECKING:
     from onnx_moe_fuse.progress import Progress
     from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
-
-# -- output ---------------------------------------------------------------------------------------
-
-
-def _json_safe(value: Any) -> Any:
-    """Non-finite floats become strings ("inf"), so the report is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
-    """Write ``data`` as strict JSON to ``path`` atomically (mode 0666 less the umask)."""
-    write_text_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
-
-
-def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False) -> None:
-    fusions = report["fusions"]
-    if not fusions:
-        print("nothing fused")
-    for f in fusions:
-        print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
-        quant = f.get("quantization")
-        if quant:
-            block = quant["block_size"]
-            grain = f"blocks of {block}" if block else "per channel"
-            error = quant.get("max_rel_error")
-            measured = "not measured" if error is None else f"measured max rel error {error:.3g}"
-            print(
-                f"  quantised to int{quant['bits']} ({grain}) from {quant['from']}: not exact, "
-                f"{measured} against the float layer"
-            )
-        routing = f.get("routing")
-        if explain and routing:
-            rescale = ", the output rescaled per token" if routing["rescaled"] else ""
-            print(
-                f"  routing: {routing['construction']} construction{rescale}; the router "
-                f"({routing['router']}: {routing['router_description']}) stays in the graph"
-            )
-    level = (report.get("quantization") or {}).get("accuracy_level")
-    if level is not None:
-        inexact = (
-            ": ORT CPU computes block-wise 4-bit QMoE with int8 activations (not exact)"
-            if level == 4
-            else ""
-        )
-        print(f"accuracy_level {level} on every QMoE node{inexact}")
-    default = " (the default; --target picks another runtime)"
-    print(f"target {target.name}{default if target.name == DEFAULT_TARGET else ''}")
-
-
-def _print_near_misses(report: dict[str, Any]) -> None:
-    misses = report["near_misses"]
-    if not misses:
-        print("no near misses")
-    for m in misses:
-        where = m.get("topk") or m.get("root") or "?"
-        part = m.get("part")
-        about = m.get("node")
-        head = f"{part.upper() if part in ('fc1', 'fc2') else part}" if part else None
-        detail = f"{head} ({about}): " if head and about else (f"{head}: " if head else "")
-        print(f"near miss at {where}: {detail}{m['reason']}")
-    for line in report.get("canonicalisation", []):
-        print(f"note: {line}")
 
 
 def _error(message: str, code: int) -> int:
@@ -242,9 +173,9 @@ def _fuse_command(args: argparse.Namespace) -> int:
         "target": target.name,
         **result.report.to_dict(),
     }
-    _print_fusions(report, target, args.explain)
+    print_fusions(report, target, args.explain)
     if args.explain:
-        _print_near_misses(report)
+        print_near_misses(report)
 
     ok = True
     if args.verify or args.demo:
@@ -312,9 +243,9 @@ def _fuse_streaming(
         "target": target.name,
         **result.report.to_dict(),
     }
-    _print_fusions(report, target, args.explain)
+    print_fusions(report, target, args.explain)
     if args.explain:
-        _print_near_misses(report)
+        print_near_misses(report)
     print("wrote " + ", ".join(str(p) for p in result.written))
     _warn_stale_data(args.output, result.written)
     if args.report:

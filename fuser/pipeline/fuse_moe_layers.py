@@ -176,11 +176,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
     spliced. The fusions and near misses are appended to ``report`` (a :class:`FusionReport`,
     shared with the caller).
 
-    ``quantize`` (opt-in, :class:`~onnx_moe_fuse.rewrites.moe.quantize.Quantization`): float
-    layers become QMoE of quantised weights, each fusion's report entry holding the scheme and
-    the measured error (``quantization``); a block size that does not fit a layer is an
-    ``OptionError`` before anything changes. ``accuracy_level`` (opt-in) is written on every
-    QMoE node (the fronts check that the target takes it).
+    ``quantize``/``accuracy_level`` (opt-in): :mod:`.quantized_layers` (float layers as QMoE of
+    quantised weights, measured; ``accuracy_level`` on every QMoE node).
     """
 
     def __init__(

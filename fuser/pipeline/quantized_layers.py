@@ -2,6 +2,9 @@
 
 Kept beside :mod:`.fuse_moe_layers` (the pass) so the pass stays readable:
 
+* :func:`check_accuracy_level`: ``accuracy_level`` must be one of ORT's values (0-4) and the
+  target's QMoE must take the attribute (:meth:`~onnx_moe_fuse.contract.targets.Target.
+  attribute_names`), else an :class:`~onnx_moe_fuse.errors.OptionError` naming the target;
 * :func:`check_block_sizes`: a requested block size that does not fit a layer the rules would
   fuse is the user's mistake, an :class:`~onnx_moe_fuse.errors.OptionError` naming the layer,
   raised after the dry run and before anything is rewritten;
