@@ -39,7 +39,8 @@ def print_fusions(report: dict[str, Any], target: Target, explain: bool = False)
     if not fusions:
         print("nothing fused")
     for f in fusions:
-        print(f"fused {f['op']} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
+        dtype = f" ({f['dtype']})" if f.get("dtype") not in (None, "float32") else ""
+        print(f"fused {f['op']}{dtype} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
         quant = f.get("quantization")
         if quant:
             block = quant["block_size"]
@@ -57,6 +58,8 @@ def print_fusions(report: dict[str, Any], target: Target, explain: bool = False)
                 f"  routing: {routing['construction']} construction{rescale}; the router "
                 f"({routing['router']}: {routing['router_description']}) stays in the graph"
             )
+            if routing.get("why"):
+                print(f"  ({routing['why']})")
     level = (report.get("quantization") or {}).get("accuracy_level")
     if level is not None:
         inexact = (

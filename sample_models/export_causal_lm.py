@@ -6,14 +6,16 @@ Run it in the export venv (torch is never needed by the package, its tests or CI
         [--resume]
 
 For each family of ``export_causal_lm_families.py`` (the configs and the per-family facts; the
-torch.onnx call and its opset-23 workarounds are in ``export_causal_lm_onnx.py``) it builds the model from a tiny config made in
+torch.onnx call and its opset-23 workarounds are in ``export_causal_lm_onnx.py``, the grid of
+variants and what each record expects in ``export_causal_lm_grid.py``) it builds the model from a tiny config made in
 code (no download), fills its weights from a fixed torch seed, and exports it with
 ``torch.onnx.export(..., dynamo=True)`` in each variant: experts implementation ``batched_mm``
 and ``grouped_mm`` (transformers' default, exported with transformers' own translation table,
 ``transformers.exporters.exporter_onnx._ONNX_TRANSLATION_TABLE``, since plain torch.onnx has no
 translation of ``transformers::grouped_mm_fallback``), batch and sequence dynamic or static, opset
 18 or 23, float32; plus float16 (dynamic, opset 23; also static for a family without dynamic
-exports). Variants run most telling first across all families (``priority``). The model's input is ``input_ids``
+exports); plus, for four families, float16 and bfloat16 at opset 18 (bfloat16 at 24 where 18
+cannot type it; bfloat16 checked on its float32 twin, ``upcast.py``). Variants run most telling first across all families (``priority``). The model's input is ``input_ids``
 (``[2, 8]`` int64), its output ``logits`` (``use_cache=False``). Into
 ``sample_models/exported/causal_lm/`` it writes per model:
 
@@ -36,7 +38,6 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,10 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_causal_lm_families import FAMILIES, Family, make_config  # noqa: E402
+from export_causal_lm_grid import Variant, expected_record, priority, variants  # noqa: E402
 from export_causal_lm_onnx import PATCHES, broken_fusion, export, first_line  # noqa: E402
 from export_records import jsonable, ort_session, rel_err, versions  # noqa: E402
+from upcast import upcast_to_float32  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "exported" / "causal_lm"
 SEED = 0
@@ -57,62 +60,10 @@ REF_IDS_SHAPE = (2, 8)
 CHECK_SHAPES = [(1, 1), (1, 5), (3, 11)]
 MAX_FILE_BYTES = 2 << 20
 # float16 logits against PyTorch's float16 CPU run: rounding differs op by op (ORT computes
-# some fp16 ops in float32 internally, PyTorch others), so the tolerance is looser.
-RTOL = {"float32": 1e-4, "float16": 2e-2}
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One export of one family."""
-
-    family: Family
-    impl: str  # "batched_mm" or "grouped_mm" (ignored by families that do not dispatch)
-    dynamic: bool
-    opset: int
-    dtype: str  # "float32" or "float16"
-
-    @property
-    def name(self) -> str:
-        """``<family>_<impl>_<dynamic|static>_op<opset>[_fp16]``."""
-        impl = self.impl if self.family.dispatches_experts else "dense_bmm"
-        shape = "dynamic" if self.dynamic else "static"
-        tail = "_fp16" if self.dtype == "float16" else ""
-        return f"{self.family.name}_{impl}_{shape}_op{self.opset}{tail}"
-
-
-def priority(variant: Variant) -> int:
-    """Export order: the most telling variants of every family first (a slow run stops early)."""
-    tiers = [
-        ("batched_mm", True, 18, "float32"),
-        ("grouped_mm", True, 18, "float32"),
-        ("batched_mm", True, 23, "float16"),
-        ("batched_mm", False, 18, "float32"),
-        ("batched_mm", True, 23, "float32"),
-        ("grouped_mm", False, 18, "float32"),
-        ("grouped_mm", True, 23, "float32"),
-        ("batched_mm", False, 23, "float32"),
-        ("grouped_mm", False, 23, "float32"),
-        ("grouped_mm", True, 23, "float16"),
-        ("batched_mm", False, 23, "float16"),
-    ]
-    return tiers.index((variant.impl, variant.dynamic, variant.opset, variant.dtype))
-
-
-def variants(family: Family) -> list[Variant]:
-    """Every export of ``family``: the float32 grid, plus float16 opset 23 (dynamic, or static too)."""
-    impls = ["batched_mm", "grouped_mm"] if family.dispatches_experts else ["batched_mm"]
-    out = [
-        Variant(family, impl, dynamic, opset, "float32")
-        for impl in impls
-        for dynamic in (True, False)
-        for opset in (18, 23)
-    ]
-    out += [Variant(family, impl, True, 23, "float16") for impl in impls]
-    if family.static_fp16:
-        out.append(Variant(family, "batched_mm", False, 23, "float16"))
-    return out
-
-
+# some fp16 ops in float32 internally, PyTorch others), so the tolerance is looser; bfloat16
+# (8 significant bits) looser again, and checked on the export upcast to float32 (ORT 1.32 CPU
+# runs few bfloat16 ops: see ``upcast_to_float32``).
+RTOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 # -- the model -----------------------------------------------------------------------------------
 
 
@@ -141,6 +92,8 @@ def build(variant: Variant) -> tuple[torch.nn.Module, Any]:
                 tensor.normal_(0.0, 0.1)
     if variant.dtype == "float16":
         model = model.half()
+    elif variant.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
     return LogitsOnly(model).eval(), cfg
 
 
@@ -162,24 +115,15 @@ def random_ids(shape: tuple[int, int], seed: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def expected_record(family: Family, cfg: Any, layers: list[tuple[int, str]], dtype: str) -> Any:
-    """``expected`` (fused ops, [[op, count]]) and ``expected_layers`` (per decoder layer)."""
-    per_layer = []
-    for index, block in layers:
-        if not block:
-            per_layer.append({"layer": index, "block": "dense MLP", "outcome": "no MoE"})
-            continue
-        if dtype != "float32":
-            outcome = {
-                "outcome": "refused",
-                "refusal_names": "dtype",
-                "why": f"{dtype} experts: the fuser handles float32 only",
-            }
-        else:
-            outcome = family.expected_layer(cfg)
-        per_layer.append({"layer": index, "block": block, **outcome})
-    fused = collections.Counter(e["outcome"] for e in per_layer if e["outcome"] == "MoE")
-    return [[op, n] for op, n in sorted(fused.items())], per_layer
+def _checked_form(path: Path, dtype: str) -> Path | bytes:
+    """What ORT CPU checks: the export, or for bfloat16 its float32 twin (``upcast.py``).
+
+    ORT 1.32 CPU has no bfloat16 ``Mul``/``MatMul`` kernels, so a bfloat16 export is checked
+    against PyTorch's bfloat16 logits on the same graph computing in float32.
+    """
+    if dtype != "bfloat16":
+        return path
+    return upcast_to_float32(onnx.load(str(path))).SerializeToString()
 
 
 def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
@@ -206,7 +150,7 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
     plain_errors = []
     while True:
         try:
-            session = ort_session(path)
+            session = ort_session(_checked_form(path, variant.dtype))
             session.run(None, {"input_ids": ids.numpy()})
             break
         except Exception as exc:  # noqa: BLE001 (a known opset-23 fusion fault is retried)
@@ -251,14 +195,19 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
     tol = RTOL[variant.dtype]
     if max(errors.values()) > tol:
         raise RuntimeError(f"ORT vs PyTorch max relative error {errors} over {tol}")
+    # bfloat16 logits are stored widened to float32 (exact): numpy has no bfloat16 of its own,
+    # and an npz of ml_dtypes' bfloat16 reads back as raw bytes
+    stored = variant.dtype if variant.dtype != "bfloat16" else "float32"
     np.savez_compressed(
         out_dir / f"{variant.name}.npz",
         input_ids=ref_ids,
-        logits=ref_logits.astype(variant.dtype),
+        logits=ref_logits.astype(stored),
     )
 
     layers = moe_layers(module, variant.family)
-    expected, expected_layers = expected_record(variant.family, cfg, layers, variant.dtype)
+    expected, expected_layers, expected_cuda = expected_record(
+        variant.family, cfg, layers, variant.dtype
+    )
     hist = collections.Counter(n.op_type for n in model.graph.node)
     record = {
         "name": variant.name,
@@ -287,14 +236,21 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
         "router": variant.family.router,
         "expected": expected,
         "expected_layers": expected_layers,
+        **({"expected_ort_cuda": expected_cuda} if variant.dtype != "float32" else {}),
         "reference": {
             "file": f"{variant.name}.npz",
             "input_ids_shape": list(REF_IDS_SHAPE),
             "logits_shape": list(ref_logits.shape),
-            "logits_dtype": variant.dtype,
+            "logits_dtype": stored,
             "rtol": tol,
         },
         "ort_vs_torch_max_rel_err": errors,
+        "ort_checked_on": (
+            "the export"
+            if variant.dtype != "bfloat16"
+            else "its float32 twin (sample_models/upcast.py): ORT 1.32 CPU has no bfloat16 "
+            "Mul/MatMul kernels"
+        ),
         "op_histogram": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
         "node_count": len(model.graph.node),
         "node_metadata_props": "dropped (torch.onnx provenance only)",

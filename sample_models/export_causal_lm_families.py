@@ -261,11 +261,10 @@ FAMILIES: list[Family] = [
             "renormalised": False,
             "shared_expert": "ungated (Llama4TextMLP)",
         },
-        expected_layer=lambda c: _refused(
-            "router",
-            "sigmoid of the top-k logits (not softmax), applied to the expert input, not its "
-            "output",
-        ),
+        # top-1 (Llama 4 Scout and Maverick): the experts read the tokens scaled by their
+        # score, weight 1 (docs/routing.md); k > 1 is not expressible
+        expected_layer=lambda c: _moe(1, True),
+        export_patch="llama4_real_rotary",
         dispatches_experts=False,
     ),
     Family(

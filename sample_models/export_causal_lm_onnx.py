@@ -21,7 +21,7 @@ import onnx
 import torch
 
 if TYPE_CHECKING:
-    from export_causal_lm import Variant
+    from export_causal_lm_grid import Variant
 
 
 # -- export --------------------------------------------------------------------------------------
@@ -98,6 +98,35 @@ def _deepseek_v2_real_rotary() -> Any:
         mod.DeepseekV2RotaryEmbedding.forward, mod.apply_rotary_emb = saved
 
 
+def _real_apply_rotary_emb_llama4(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama4's ``apply_rotary_emb`` in reals: its x is ``[B, S, heads, D]`` (heads after S)."""
+    freqs = freqs_cis[:, :, None].to(xq.device)  # [B, S, 1, D/2, 2]
+    cos, sin = freqs[..., 0], freqs[..., 1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        re, im = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1)
+        return out.flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+@contextlib.contextmanager
+def _llama4_real_rotary() -> Any:
+    from transformers.models.llama4 import modeling_llama4 as mod
+
+    saved = mod.Llama4TextRotaryEmbedding.forward, mod.apply_rotary_emb
+    mod.Llama4TextRotaryEmbedding.forward = _real_rotary_forward
+    mod.apply_rotary_emb = _real_apply_rotary_emb_llama4
+    try:
+        yield
+    finally:
+        mod.Llama4TextRotaryEmbedding.forward, mod.apply_rotary_emb = saved
+
+
 # Export patches by name (``Family.export_patch``): what each does, and its context manager.
 # Each is active inside ``torch.onnx.export`` only; the PyTorch reference the export is checked
 # against is the unpatched model, so the check also shows that the patch computes the same.
@@ -107,7 +136,14 @@ def _deepseek_v2_real_rotary() -> Any:
 #   torch.onnx cannot translate ("No decompositions registered for the complex-valued input", as
 #   Llama4's). The patch computes the same product with real tensors: ``(cos, sin)`` stacked
 #   last, ``(a, b) -> (a cos - b sin, a sin + b cos)``, flattened back to interleaved pairs.
+# - ``llama4_real_rotary``: the same for Llama4, whose query/key are ``[B, S, heads, D]``.
 PATCHES = {
+    "llama4_real_rotary": (
+        "Llama4's complex rotary embedding (torch.polar, view_as_complex) computed with real "
+        "tensors inside torch.onnx.export (export_causal_lm_onnx.PATCHES), heads after the "
+        "sequence axis; the MoE layers are untouched",
+        _llama4_real_rotary,
+    ),
     "deepseek_v2_real_rotary": (
         "DeepSeek-V2's complex rotary embedding (torch.polar, view_as_complex) computed with "
         "real tensors inside torch.onnx.export (export_causal_lm_onnx.PATCHES); the MoE layers "

@@ -20,11 +20,13 @@ import transformers
 # -- checks and records --------------------------------------------------------------------------
 
 
-def ort_session(path: Path) -> ort.InferenceSession:
+def ort_session(path: Path | bytes) -> ort.InferenceSession:
+    """ORT CPU, graph optimisations off, on a model file (or its serialized bytes)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    source = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:

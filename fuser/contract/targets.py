@@ -26,6 +26,9 @@ Sources, read or measured 2026-12-01 (``docs/targets.md`` has the tables):
 * ``ort-cpu``, ORT 1.32.0 CPU (measured here: its schema lists ``accuracy_level`` (default 0),
   ``weights_prepacked`` (default -1), ``quant_type`` (default "int") and ``swiglu_limit`` for
   QMoE; MoE and QMoE run relu, gelu, silu, identity and swiglu in float32 and float16;
+  bfloat16 has no MoE kernel ("NOT_IMPLEMENTED: Could not find an implementation for MoE(1)")
+  and a QMoE kernel that refuses the raw layout ("CPU bfloat16 QMoE requires a shared layout"),
+  both measured by ``scripts/measure_half_kernels.py``, so neither is used;
   MatMulNBitsQkv is in the schema list but has no CPU kernel: NOT_IMPLEMENTED).
 * ``ort-cuda``, ONNX Runtime's CUDA provider, from microsoft/onnxruntime (no CUDA here):
   ``docs/contrib_ops/cuda/moe_qmoe.md`` section 2.1 (QMoE attributes: ``weights_prepacked``
@@ -39,7 +42,11 @@ Sources, read or measured 2026-12-01 (``docs/targets.md`` has the tables):
   the same schema, and on an H200 with its WebGPU provider): QMoE schema without
   ``weights_prepacked`` and ``accuracy_level``; its WebGPU QMoE kernel runs swiglu only; no
   WebGPU MoE kernel ("webgpu kernel not found in registries for Op type: MoE"); MatMulNBitsQkv
-  runs (its schema has ``accuracy_level``, default 0).
+  runs (its schema has ``accuracy_level``, default 0). Its CPU provider runs MoE and QMoE (4-
+  and 8-bit) in float32 and float16 and has no bfloat16 kernel for either
+  (``scripts/measure_half_kernels.py``). Its WebGPU QMoE is taken for float32 and float16 (ORT's
+  WebGPU kernels register WebGpuSupportedFloatTypes, float and MLFloat16; the WebGPU provider
+  itself was run on float32 QMoE only, on the H200).
 
 ``swiglu_limit`` is in every target's schema (1.27 and 1.32; absent means +inf), so every
 target gets it, +inf when the layer does not clamp. ``swiglu_limit_after_activation`` (new in ORT
@@ -118,9 +125,9 @@ class OpContract:
     zero_points_source: str = ""
 
 
-_CPU = "ORT 1.32 CPU (measured)"
+_CPU = "ORT 1.32 CPU (measured: scripts/measure_half_kernels.py)"
 _CUDA = "ORT CUDA (docs/contrib_ops/cuda/moe_qmoe.md, cuda_contrib_kernels.cc)"
-_WEBGPU = "onnxruntime-webgpu 1.27 (measured)"
+_WEBGPU = "onnxruntime-webgpu 1.27 (measured: scripts/measure_half_kernels.py)"
 
 #: ``{target: {op: OpContract}}``; an op missing from a target has no kernel there.
 CONTRACTS: dict[str, dict[str, OpContract]] = {

@@ -46,6 +46,7 @@ from onnx_moe_fuse.rewrites.moe.layer_rules import (
 from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 from onnx_moe_fuse.rewrites.moe.routers import classify_router
 from onnx_moe_fuse.rewrites.moe.rule_base import (
+    CAST_KEY,
     LAYER_OUT_KEY,
     RESCALED_KEY,
     ROUTING_KEY,
@@ -132,11 +133,24 @@ def _producer_of(graph: ir.Graph, name: str | None) -> ir.Node | None:
     return next((n for n in graph if n.outputs and n.outputs[0].name == name), None)
 
 
-def _rescale_of(node: ir.Node) -> ir.Node:
-    """The ``Mul`` the routing construction put after the fused ``node`` (its one user)."""
+def _only_user(node: ir.Node, op_type: str) -> ir.Node:
     users = node.outputs[0].uses()
-    assert len(users) == 1 and users[0][0].op_type == "Mul", users
+    assert len(users) == 1 and users[0][0].op_type == op_type, users
     return users[0][0]
+
+
+def _end_of(node: ir.Node) -> ir.Node:
+    """The last node the rule put after the fused ``node`` (``node`` itself when none).
+
+    Its rescale ``Mul`` (the routing construction's), then its ``Cast`` to the replaced value's
+    type (a float32 combine of a float16 layer).
+    """
+    end = node
+    if node.metadata_props.get(RESCALED_KEY):
+        end = _only_user(end, "Mul")
+    if node.metadata_props.get(CAST_KEY):
+        end = _only_user(end, "Cast")
+    return end
 
 
 def _routing_record(node: ir.Node, graph: ir.Graph) -> dict[str, Any] | None:
@@ -146,13 +160,21 @@ def _routing_record(node: ir.Node, graph: ir.Graph) -> dict[str, Any] | None:
         return None
     topk = _producer_of(graph, node.metadata_props.get(TOPK_KEY))
     form = classify_router(topk) if topk is not None else None
-    return {
+    record = {
         "construction": construction,
         "rescaled": bool(node.metadata_props.get(RESCALED_KEY)),
         "router": form.kind if form is not None else "unknown",
         "router_description": form.description if form is not None else "",
         "topk": label(topk),
     }
+    dtype = _activation_dtype(node)
+    if dtype not in (None, "float32"):
+        # why a softmax router the node could compute itself is fed as its selection
+        record["why"] = (
+            f"the layer computes in {dtype}: fed the model's own selection, so router values "
+            f"that tie or swap in {dtype} cannot change which experts a token uses"
+        )
+    return record
 
 
 def apply_target_attributes(node: ir.Node, target: Target) -> None:
@@ -261,8 +283,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             apply_target_attributes(node, self.target)
             set_accuracy_level(node, self.accuracy_level)
             # the proved output (the rescale after the node, where the routing construction
-            # has one), or a Reshape after it that the original has (a split moved out)
-            end = _rescale_of(node) if node.metadata_props.get(RESCALED_KEY) else node
+            # has one, and the cast to a float32 combine's type), or a Reshape after it that the original has (a split moved out)
+            end = _end_of(node)
             last, replaces = origin_tail(end, layer_out, model.graph)
             try:
                 result = splice_fused_node(model, node, replaces, last=last)
@@ -290,6 +312,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 "replaced": list(result.replaced),
                 "kept": list(result.kept),
                 "attributes": {k: attr_value(a) for k, a in result.node.attributes.items()},
+                "dtype": _activation_dtype(node),
             }
             routing = _routing_record(node, work.graph)
             if routing is not None:
@@ -298,7 +321,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             if quantization is not None:
                 fusion["quantization"] = quantization
             self.report.fusions.append(fusion)
-            for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY, ROUTING_KEY, RESCALED_KEY):
+            for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY, ROUTING_KEY, RESCALED_KEY, CAST_KEY):
                 result.node.metadata_props.pop(key, None)
         self._near_misses(tracer, work, refusals, fused_roots, fused_topks)
         if self.observer is not None:

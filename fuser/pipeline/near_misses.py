@@ -6,7 +6,7 @@ match), and every whole-pattern match the rewriter refused because a value escap
 that defers to a canonicalisation pass (a dense layer the dense-experts pass left) is replaced
 by the refusal that pass recorded while it ran. :func:`unrecognised` names the known unfused
 form around a TopK no rule matched: a sort of the ids (grouped_mm), a one-hot mask (an expert
-loop or the dense form), scattered dense weights, float16 routing; the canonical passes'
+loop or the dense form), scattered dense weights; the canonical passes'
 recorded refusals are appended where they have one. Nothing here re-runs a pass's analysis.
 """
 
@@ -201,41 +201,10 @@ def _are_expert_ids(v: ir.Value | None, depth: int) -> bool:
     return _are_expert_ids(node.inputs[0], depth - 1)
 
 
-_HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
-
-
-def _half_precision(node: ir.Node) -> set[str]:
-    """The half-precision float types among ``node``'s inputs."""
-    return {_HALF[v.dtype] for v in node.inputs if v is not None and v.dtype in _HALF}
-
-
 def _expert_ids(node: ir.Node) -> ir.Value | None:
     """The ids a TopK (output 1) or an ArgMax (output 0, a top-1 in torch exports) writes."""
     index = 0 if node.op_type == "ArgMax" else 1
     return node.outputs[index] if len(node.outputs) > index else None
-
-
-def _half_precision_near(topk: ir.Node, depth: int = 6) -> set[str]:
-    """Half-precision types among the values a few nodes downstream of a TopK.
-
-    A float16 export routes in float32 (the router softmax is upcast) and computes the experts
-    and the combine in float16: the weights meet the float16 expert outputs a few nodes on.
-    """
-    found: set[str] = set()
-    frontier, seen = [topk], {id(topk)}
-    for _ in range(depth):
-        nxt = []
-        for node in frontier:
-            for v in node.outputs:
-                if v.dtype in _HALF:
-                    found.add(_HALF[v.dtype])
-                for user, _ in v.uses():
-                    if id(user) not in seen:
-                        seen.add(id(user))
-                        found.update(_half_precision(user))
-                        nxt.append(user)
-        frontier = nxt
-    return found
 
 
 def unrecognised(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[str | None, Refusal | None]:
@@ -284,7 +253,6 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
     if ids is None or _sorts_expert_ids(topk):
         return None, True
     todo, seen, uses = [ids], 0, set()
-    half: set[str] = set()
     while todo and seen < 8:
         v = todo.pop()
         seen += 1
@@ -295,7 +263,6 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
                 uses.add("argsort")
             else:
                 uses.add(user.op_type)
-                half.update(_half_precision(user))
     selects = uses & {
         "Gather",
         "GroupedMatMul",
@@ -305,13 +272,6 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
         "Equal",
         "argsort",
     }
-    half.update(_half_precision(topk))
-    half.update(_half_precision_near(topk))
-    if selects and half:
-        return (
-            f"not fused: the layer computes in {'/'.join(sorted(half))}; this version fuses "
-            "float32 layers only (float16/bfloat16 layers are left as they are)"
-        ), False
     # a router no MoE/QMoE computes is the refusal, whatever else; ids scattered into a dense
     # [T, E] weights tensor (Llama4's code) select experts too
     router = router_near_miss(topk) if selects or "ScatterElements" in uses else None

@@ -217,6 +217,7 @@ def run_node(
     tensors, present_attrs, wanted = bind_node(spec, node, inputs, attrs, declared_inputs)
     declared = list(kernel.manifest.attributes)
     kernel_attrs = _kernel_attributes(spec, node, present_attrs, declared)
+    tensors, narrowed = widen_half_inputs(kernel.manifest, tensors)
     try:
         result = kernel(attrs=kernel_attrs, optional_outputs=wanted, **tensors)
     except KernelCallError as exc:
@@ -230,8 +231,45 @@ def run_node(
         ) from exc
     outputs = []
     for i, name in enumerate(node.output):
-        outputs.append(result[spec.outputs[i]] if name else None)
+        value = result[spec.outputs[i]] if name else None
+        dtype = narrowed.get(_type_var(kernel.manifest, spec.outputs[i]))
+        outputs.append(value.astype(dtype) if value is not None and dtype is not None else value)
     return tuple(outputs)
+
+
+_HALF_DTYPES = ("float16", "bfloat16")
+
+
+def _type_var(manifest: Any, bind_key: str) -> str | None:
+    spec = manifest.tensors.get(bind_key)
+    return spec.dtype if spec is not None else None
+
+
+def widen_half_inputs(
+    manifest: Any, tensors: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
+    """Float16/bfloat16 tensors of a type the kernel runs in float32 only, widened to float32.
+
+    The MoE and QMoE kernel packages compute in float32 (their manifests' ``T``). A float16 or
+    bfloat16 fused node still runs on them: its inputs widen exactly, the kernel computes in
+    float32, and its outputs of the same type variable are rounded back to the node's type
+    (``narrowed``: ``{type variable: numpy dtype}``), once, where ONNX Runtime's half-precision
+    kernels round intermediates too; the checker's per-dtype tolerance covers the difference.
+    A type the kernel takes as it is stays untouched.
+    """
+    out = dict(tensors)
+    narrowed: dict[str, np.dtype] = {}
+    for key, array in tensors.items():
+        var = _type_var(manifest, key)
+        allowed = manifest.type_constraints.get(var) if var is not None else None
+        name = array.dtype.name
+        if allowed is None or name not in _HALF_DTYPES or name in allowed:
+            continue
+        if "float32" not in allowed:
+            continue
+        out[key] = array.astype(np.float32)
+        narrowed[var] = array.dtype
+    return out, narrowed
 
 
 class _KernelOp(OpRun):

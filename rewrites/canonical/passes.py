@@ -13,6 +13,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.sorted.sorted_experts import (
     CanonicalSortedExpertsPass,
 )
 from onnx_moe_fuse.rewrites.canonical.shapes.fold_shapes import FoldShapesPass
+from onnx_moe_fuse.rewrites.canonical.shapes.infer_missing_shapes import InferMissingShapesPass
 from onnx_moe_fuse.rewrites.canonical.spellings.normalize_spellings import (
     NormalizeSpellingsPass,
 )
@@ -33,6 +34,7 @@ def canonicalisation_passes(refusals: list[Refusal] | None = None) -> list[ir.pa
     if refusals is None:
         refusals = []
     return [
+        InferMissingShapesPass(),
         NBitsWeightsPass(),
         FoldShapesPass(),
         FoldWeightLayoutPass(),

@@ -26,6 +26,7 @@ __all__ = [
     "const_array",
     "const_ints",
     "const_float",
+    "is_real",
     "attr_int",
     "attr_float",
     "attr_str",
@@ -136,10 +137,18 @@ def const_ints(value: ir.Value | None) -> list[int] | None:
     return [int(v) for v in arr.reshape(-1)]
 
 
+def is_real(dtype: np.dtype) -> bool:
+    """A numeric dtype whose values are real numbers: numpy's ints and floats, and bfloat16.
+
+    ml_dtypes' bfloat16 (how onnx-ir reads a bfloat16 tensor) has numpy kind ``V``.
+    """
+    return dtype.kind in "fiu" or dtype.name == "bfloat16"
+
+
 def const_float(value: ir.Value | None) -> float | None:
     """The single float held by ``value`` (a scalar or one-element tensor), or None."""
     arr = const_array(value)
-    if arr is None or arr.size != 1 or arr.dtype.kind not in "fiu":
+    if arr is None or arr.size != 1 or not is_real(arr.dtype):
         return None
     try:
         return float(np.asarray(arr, dtype=np.float64).reshape(-1)[0])

@@ -18,6 +18,8 @@ spelling pass has rewritten ``ArgMax``. Round ``j`` is column ``j`` of ``TopK(L,
 :func:`selection_round` reads one round (its column and the logits ``L``); the spelling pass
 rewrites ``Concat`` of rounds ``0..m-1`` into ``TopK(L, m)``'s indices, and the layer proof
 (``moe.selected_weights``) reads a weight gathered at round ``j``'s indices as slot ``j``.
+:func:`same_topk` says when two TopK nodes compute the same (the top-1 spellings make a TopK
+for ``ArgMax`` and another for the ``ReduceMax`` beside it).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     attr_int,
     attr_str,
     const_array,
+    normalize_axes,
     static_last_dim,
     static_rank,
 )
 
-__all__ = ["SelectionRound", "selection_round"]
+__all__ = ["SelectionRound", "same_topk", "selection_round"]
 
 _STD = ("", "ai.onnx")
 _MAX_ROUNDS = 8
@@ -136,3 +139,32 @@ def selection_round(indices: ir.Value | None) -> SelectionRound | None:
     if experts is None or experts <= previous.column + 1:
         return None  # round j needs more than j experts (else it picks a masked one again)
     return SelectionRound(previous.column + 1, previous.logits, axis, node)
+
+
+def same_topk(node: ir.Node, selection: ir.Node) -> bool:
+    """``node`` is ``selection`` or computes the same: the same scores, k, axis and order.
+
+    (The top-1 spellings turn ``ArgMax`` and ``ReduceMax`` of one row into two such TopKs.)
+    """
+    if node is selection:
+        return True
+    if node.op_type != "TopK" or node.domain not in ("", "ai.onnx"):
+        return False
+    if len(node.inputs) != len(selection.inputs) or node.inputs[0] is not selection.inputs[0]:
+        return False
+    k, k_sel = const_array(node.inputs[1]), const_array(selection.inputs[1])
+    if k is None or k_sel is None or not np.array_equal(np.ravel(k), np.ravel(k_sel)):
+        return False
+    rank = static_rank(_shape_source(node.inputs[0]))
+    axes = [attr_int(n, "axis", -1) for n in (node, selection)]
+    if None in axes:
+        return False
+    norm = axes if rank is None else normalize_axes(axes, rank)
+    return (
+        norm is not None
+        and norm[0] == norm[1]
+        and all(
+            attr_int(node, name, default) == attr_int(selection, name, default)
+            for name, default in (("largest", 1), ("sorted", 1))
+        )
+    )

@@ -32,6 +32,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     label,
     node_axes,
     normalize_axes,
+    static_rank,
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
@@ -118,6 +119,9 @@ def _rank(value: ir.Value, depth: int = 0) -> int | None:
         return len(dims)
     if value.shape is not None:
         return len(value.shape)
+    fixed = static_rank(value)  # the producers' ranks (a model with no value_info)
+    if fixed is not None:
+        return fixed
     node = value.producer()
     if node is None or depth > 16 or node.op_type not in _SAME_RANK:
         return None

@@ -54,7 +54,9 @@ from onnx_moe_fuse.rewrites.moe.activation_proof import (
     granularity,
     swiglu_params,
 )
+from onnx_moe_fuse.rewrites.moe.parts.facts import HALF_TYPES, precision_cast
 from onnx_moe_fuse.rewrites.moe.plan import (
+    LAYER_DTYPES,
     MOE_ACTIVATIONS,
     QMOE_ACTIVATIONS,
     ExpertWeights,
@@ -203,10 +205,20 @@ def finish_layer(
     with part("activation"):
         activation, columns, (alpha, beta, limit) = _activation(b, family, fc1, fc2, fc1_last_axis)
     with part("target"):
-        op, bits, block = _target(b, routing, activation, fc1, fc2, emit, hidden, inter, quantize)
+        op, bits, block, dtype = _target(
+            b, routing, activation, fc1, fc2, emit, hidden, inter, quantize
+        )
     if op == "QMoE" and routing.normalize != 1 and not routing.selected:
         # QMoE always renormalises its own softmax: weights used as they are go in as the
         # selection and its weights (router_weights, or log-weights and a rescale)
+        routing = routing.as_selected(b["routing_weights"])
+    half = dtype != ir.DataType.FLOAT or b.get("routing_casts") or _half_router(routing)
+    if not routing.selected and half:
+        # the node would run the router in its own dtype: router logits rounded to float16
+        # can tie, or swap near-ties, where the model's float32 softmax did not (and ORT breaks
+        # ties towards the highest index, TopK towards the lowest); a float32 layer whose
+        # router logits come from float16 ties as often. Fed as the model's own selection and
+        # weights, the experts each token uses are exactly the model's
         routing = routing.as_selected(b["routing_weights"])
     if routing.selected:
         with part("routing"):
@@ -245,6 +257,8 @@ def finish_layer(
         bits=bits if op == "QMoE" else 0,
         block=block if op == "QMoE" else 0,
         zero_points=_zero_points(op, block, fc1, fc2),
+        dtype=dtype,
+        out_dtype=b.get("combine_dtype"),
         layer_nodes=layer_nodes,
     )
 
@@ -309,26 +323,30 @@ def _target(
     hidden: int,
     inter: int,
     quantize: Quantization | None = None,
-) -> tuple[str, int, int]:
-    """The fused op (MoE for float weights, QMoE for quantized), its bits and block size.
+) -> tuple[str, int, int, ir.DataType]:
+    """The fused op (MoE for float weights, QMoE for quantized), its bits, block size, dtype.
 
-    With ``quantize`` a float layer becomes QMoE of its weights quantised at emission.
+    The dtype is the experts' (their weights' and the tokens'): the fused node computes in it.
+    Which targets have a kernel for the (op, dtype) pair is the pipeline's question
+    (``contract.targets``); the routing of a layer that does not compute in float32 is fed as
+    its selection and weights (:func:`finish_layer`). With ``quantize`` a float layer becomes
+    QMoE of its weights quantised at emission (:mod:`.quantize`).
     """
     tokens: ir.Value = b["tokens"]
-    if tokens.dtype is not None and tokens.dtype != ir.DataType.FLOAT:
-        raise Refusal(
-            f"the tokens '{value_label(tokens)}' are {tokens.dtype.name.lower()}: this version "
-            "fuses float32 layers only (float16/bfloat16 layers are left as they are)",
-            tokens,
-        )
     dtypes = {w.dtype for w in (*fc1, fc2)}
     if len(dtypes) != 1:
         raise Refusal("the expert weights do not all have the same float type", fc2.value)
-    if dtypes != {ir.DataType.FLOAT}:
-        (dtype,) = dtypes
+    (dtype,) = dtypes
+    if tokens.dtype is not None and tokens.dtype != dtype:
         raise Refusal(
-            f"the expert weights are {dtype.name.lower()}: this version fuses float32 layers "
-            "only (float16/bfloat16 layers are left as they are)",
+            f"the tokens '{value_label(tokens)}' are {tokens.dtype.name.lower()} but the expert "
+            f"weights {dtype.name.lower()}: a fused node computes in one float type",
+            tokens,
+        )
+    if dtype not in LAYER_DTYPES:
+        raise Refusal(
+            f"the expert weights are {dtype.name.lower()}: MoE and QMoE compute in float32, "
+            "float16 or bfloat16",
             fc2.value,
         )
     quant = {w.quantized for w in (*fc1, fc2)}
@@ -359,7 +377,13 @@ def _target(
             f"({', '.join(sorted(emit)) or 'none'})",
             routing.topk,
         )
-    return op, bits, block
+    return op, bits, block, dtype
+
+
+def _half_router(routing: Routing) -> bool:
+    """The router logits the node would read are a Cast of float16/bfloat16 values."""
+    cast = precision_cast(routing.router_probs)
+    return cast is not None and cast.inputs[0].dtype in HALF_TYPES
 
 
 def _zero_points(

@@ -25,7 +25,11 @@ from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES
 QMOE_ACTIVATIONS = frozenset(ACTIVATION_TYPES)
 #: Activations ORT's CPU MoE runs.
 MOE_ACTIVATIONS = frozenset(ACTIVATION_TYPES)
-FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+#: The float types of expert weights (and DequantizeLinear scales) a layer proof reads.
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+#: The float types a fused node computes in: MoE/QMoE's ``T`` (which targets have a kernel for
+#: which is ``contract.targets``' business).
+LAYER_DTYPES = frozenset(FLOAT_TYPES)
 QUANT_TYPES = {
     ir.DataType.INT4: (4, True),
     ir.DataType.UINT4: (4, False),
@@ -126,6 +130,11 @@ class LayerPlan:
     selection: ir.Value | None = None
     selected_weights: ir.Value | None = None
     weights_sum_to_one: bool = False
+    # the float type the fused node computes in (its input, output, router and scales)
+    dtype: ir.DataType = ir.DataType.FLOAT
+    # the type the combine sums in when a widening Cast makes it wider than ``dtype`` (a
+    # float16 export's float32 combine), known even where the graph does not declare it
+    out_dtype: ir.DataType | None = None
 
     @property
     def quantized(self) -> bool:

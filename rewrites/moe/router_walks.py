@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.graph.facts import attr_int, default_opset
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, default_opset, is_real
 
 # ops that move or re-type a tensor without changing which expert holds which value
 _TRANSPARENT = frozenset(
@@ -94,7 +94,7 @@ def const_like(value: ir.Value | None) -> bool:
 
 def scalar(value: ir.Value | None) -> float | None:
     arr = _small_const(value)
-    if arr is None or arr.size != 1 or arr.dtype.kind not in "fiu":
+    if arr is None or arr.size != 1 or not is_real(arr.dtype):
         return None
     return float(arr.astype(np.float64).reshape(-1)[0])
 

@@ -172,12 +172,6 @@ def selected_routing(
             f"graph has {opset})",
             topk,
         )
-    if weights.dtype not in (None, ir.DataType.FLOAT):
-        raise Refusal(
-            f"the routing weights '{value_label(weights)}' are {weights.dtype.name.lower()}: "
-            "this version fuses float32 layers only",
-            weights,
-        )
     scores = topk.inputs[0]
     dims = value_dims(scores)
     rank = len(dims) if dims is not None else static_rank(scores)

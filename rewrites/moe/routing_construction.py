@@ -156,7 +156,8 @@ def selection_refusal(idx: npt.ArrayLike, w: npt.ArrayLike, num_experts: int) ->
     a = np.asarray(w)
     if not np.issubdtype(i.dtype, np.integer):
         return f"the selection must hold integer expert ids, got dtype {i.dtype}"
-    if not np.issubdtype(a.dtype, np.floating):
+    if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
+        # (ml_dtypes' bfloat16 is no numpy floating subtype, but a float all the same)
         return f"the weights must be floating point, got dtype {a.dtype}"
     if i.ndim < 2 or i.shape != a.shape:
         return f"selection {i.shape} and weights {a.shape} must share one shape [..., k]"

@@ -81,7 +81,26 @@ def _token_count(b: Mapping[str, Any]) -> Dim:
 
 
 def _reshape_to(node: ir.Node, dims_in: list[Dim], want: list[Dim], what: str) -> None:
-    """Prove that Reshape ``node`` maps a ``dims_in`` tensor to ``want``; refuse otherwise."""
+    """Prove that Reshape ``node`` maps a ``dims_in`` tensor to ``want``; refuse otherwise.
+
+    An ``Unsqueeze`` counts as the Reshape it is (shape folding writes a Reshape that only
+    inserts unit axes, ``[T*1, H] -> [T, 1, H]`` at k = 1, as one): its axes insert ones.
+    """
+    if node.op_type == "Unsqueeze":
+        axes = node_axes(node)
+        rank = len(dims_in) + len(axes or [])
+        norm = normalize_axes(axes, rank) if axes else None
+        got = None
+        if norm is not None:
+            rest = iter(dims_in)
+            got = [Dim.of(1) if i in norm else next(rest) for i in range(rank)]
+        if got != want:
+            raise Refusal(
+                f"Unsqueeze '{label(node)}' (axes {axes}) does not {what} (from "
+                f"{_dims(dims_in)} it must make {_dims(want)}{_got(got)})",
+                node,
+            )
+        return
     shape = const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
     got = None
     if shape is not None:

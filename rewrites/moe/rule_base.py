@@ -71,6 +71,9 @@ TOPK_KEY = "onnx_moe_fuse.topk"
 #: "logits"; absent for its own softmax routing), and whether a ``Mul`` after it rescales.
 ROUTING_KEY = "onnx_moe_fuse.routing"
 RESCALED_KEY = "onnx_moe_fuse.rescaled"
+#: Node metadata key: a ``Cast`` after the fused node (after its rescale, if any) gives its
+#: output the type of the value it replaces (a float16 layer whose combine sums in float32).
+CAST_KEY = "onnx_moe_fuse.cast"
 #: Node metadata key: a float layer quantised on request, with its measured error (JSON).
 QUANTIZATION_KEY = "onnx_moe_fuse.quantization"
 
@@ -276,15 +279,18 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         if plan.selection is not None:
             assert plan.selected_weights is not None
             construction = construction_for(plan.op, self._target)
+            weights = plan.selected_weights
+            if weights.dtype is not None and weights.dtype != plan.dtype:
+                # the node's router inputs are of its type T: weights a float16 export
+                # computes in float32 are rounded to T (the node's own precision)
+                weights = op.Cast(weights, to=plan.dtype)
             routing = build_routing(
                 op,
                 plan.selection,
-                plan.selected_weights,
+                weights,
                 plan.num_experts,
                 construction,
-                # the target step fuses float32 layers only (tokens float32 or undeclared,
-                # weights checked in the routing proof): the routing is float32 too
-                dtype=ir.DataType.FLOAT,
+                dtype=plan.dtype,
                 weights_sum_to_one=plan.weights_sum_to_one,
                 rank=plan.rank,
                 opset=default_opset(graph),
@@ -309,6 +315,12 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
             **attributes,
         )
         out = fused if routing is None else routing.rescaled(op, fused)
+        layer_dtype = plan.root.outputs[0].dtype or plan.out_dtype
+        if layer_dtype is not None and layer_dtype != plan.dtype:
+            # the layer sums in a wider type than its experts (a float16 export's float32
+            # combine): the fused output, of type T, is cast to the type of the value it replaces
+            out = op.Cast(out, to=layer_dtype)
+            fused.producer().metadata_props[CAST_KEY] = "1"
         replaced = [n.name or f"{n.op_type}({n.outputs[0].name})" for n in _layer_nodes(plan)]
         meta = fused.producer().metadata_props
         if routing is not None:

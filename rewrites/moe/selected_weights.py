@@ -39,7 +39,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
-from onnx_moe_fuse.rewrites.graph.selection_rounds import selection_round
+from onnx_moe_fuse.rewrites.graph.selection_rounds import same_topk, selection_round
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 from onnx_moe_fuse.rewrites.graph.token_rows import ELEMENTWISE, prove_token_rows
 
@@ -85,35 +85,6 @@ def same_indices(value: ir.Value | None, idx: ir.Value) -> bool:
             return False
         value = node.inputs[0]
     return False
-
-
-def same_topk(node: ir.Node, selection: ir.Node) -> bool:
-    """``node`` is ``selection`` or computes the same: the same scores, k, axis and order.
-
-    (The top-1 spellings turn ``ArgMax`` and ``ReduceMax`` of one row into two such TopKs.)
-    """
-    if node is selection:
-        return True
-    if node.op_type != "TopK" or node.domain not in ("", "ai.onnx"):
-        return False
-    if len(node.inputs) != len(selection.inputs) or node.inputs[0] is not selection.inputs[0]:
-        return False
-    k, k_sel = const_array(node.inputs[1]), const_array(selection.inputs[1])
-    if k is None or k_sel is None or not np.array_equal(np.ravel(k), np.ravel(k_sel)):
-        return False
-    rank = static_rank(node.inputs[0])
-    axes = [attr_int(n, "axis", -1) for n in (node, selection)]
-    if None in axes:
-        return False
-    norm = axes if rank is None else normalize_axes(axes, rank)
-    return (
-        norm is not None
-        and norm[0] == norm[1]
-        and all(
-            attr_int(node, name, default) == attr_int(selection, name, default)
-            for name, default in (("largest", 1), ("sorted", 1))
-        )
-    )
 
 
 def nonnegative(value: ir.Value | None, _depth: int = 0) -> bool:
@@ -222,9 +193,11 @@ class _Slots:
             return self.slot_columns(node, depth)
         if op == "Softmax" or op in _REDUCE:
             return self.along_slots(node, value, depth)
+        if op == "Identity" and node.inputs[0] is not None:
+            return self.kind(node.inputs[0], depth)
         if op in _LAYOUT:
             src = node.inputs[0]
-            if src is None or static_last_dim(src) != static_last_dim(value):
+            if src is None or _width(src) != _width(value):
                 raise self.fail(
                     f"{op} '{label(node)}' regroups the routing weights across slots", node
                 )

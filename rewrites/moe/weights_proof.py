@@ -74,7 +74,7 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
         if dtype not in FLOAT_TYPES:
             raise Refusal(
                 f"{role} expert weights '{value_label(w)}' have type {dtype.name}; MoE takes "
-                "float32/float16",
+                "float32/float16/bfloat16",
                 w,
             )
         if layout == "nk":

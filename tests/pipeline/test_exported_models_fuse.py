@@ -175,31 +175,31 @@ def int4_blocked(w: np.ndarray, axis: int, block: int = 32) -> tuple[np.ndarray,
     return np.moveaxis(q, -1, axis), np.moveaxis(scale, -1, axis)
 
 
-def quantized(model: onnx.ModelProto, along_input: bool = True) -> onnx.ModelProto:
+def quantized(
+    model: onnx.ModelProto, along_input: bool = True, block: int = 32, keep_value_info=False
+) -> onnx.ModelProto:
     """``model`` with every stacked expert weight W as DequantizeLinear of int4 codes.
 
-    Blocks of 32 along the input axis (axis 2 of ``[E, out, in]``, 1 of ``[E, in, out]``), or
+    Blocks of ``block`` (32) along the input axis (axis 2 of ``[E, out, in]``, 1 of ``[E, in, out]``), or
     along the output axis when not ``along_input``; symmetric (no zero point); opset 21 for
-    int4 and ``block_size``.
+    int4 and ``block_size``. The value_info is dropped unless ``keep_value_info`` (each DQ
+    output has its weight's type and shape, so what the export declared stays true).
     """
     m = onnx.ModelProto()
     m.CopyFrom(model)
     nodes = []
     for name in stacked(m, 3):
         w = initializer(m, name)
-        matmul = next(
-            n
-            for n in m.graph.node
-            if n.op_type == "MatMul"
-            and any(
-                producer(m, i).op_type == "GatherND" and producer(m, i).input[0] == name
-                for i in n.input
-            )
-        )
+        made = {o: n for n in m.graph.node for o in n.output}  # (initializers: none)
+        gathered = {
+            o for n in m.graph.node if n.op_type == "GatherND" and n.input[0] == name
+            for o in n.output
+        }  # fmt: skip
+        matmul = next(n for n in m.graph.node if n.op_type == "MatMul" and gathered & set(n.input))
         # weights on the left of the MatMul are [E, out, in], on the right [E, in, out]
-        on_left = producer(m, matmul.input[0]).op_type == "GatherND"
+        on_left = matmul.input[0] in gathered and made[matmul.input[0]].op_type == "GatherND"
         axis = 2 if on_left == along_input else 1
-        q, s = int4_blocked(w, axis)
+        q, s = int4_blocked(w, axis, block)
         set_initializer(m, name, None)
         m.graph.initializer.append(
             helper.make_tensor(f"{name}_q", onnx.TensorProto.INT4, q.shape, q.reshape(-1).tolist())
@@ -212,7 +212,7 @@ def quantized(model: onnx.ModelProto, along_input: bool = True) -> onnx.ModelPro
                 [name],
                 name=f"dq_{name}",
                 axis=axis,
-                block_size=32,
+                block_size=block,
             )
         )
     nodes.extend(m.graph.node)
@@ -221,7 +221,8 @@ def quantized(model: onnx.ModelProto, along_input: bool = True) -> onnx.ModelPro
     for opset in m.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = max(opset.version, 21)
-    del m.graph.value_info[:]
+    if not keep_value_info:
+        del m.graph.value_info[:]
     onnx.checker.check_model(m, full_check=True)
     return m
 
@@ -290,6 +291,38 @@ def test_llama4_top1_fuses_over_its_scaled_tokens() -> None:
     assert not refused.report.fusions
     (miss,) = refused.report.near_misses
     assert miss["part"] == "routing" and "k = 2" in miss["reason"], miss
+
+
+def test_llama4_passes_verify_and_its_mutants_are_refused() -> None:
+    """``--verify`` (wgpu and ORT) on the Llama4 fusion; experts that map 0 to non-zero refused.
+
+    Llama4's unselected experts read zero rows: only when each maps a zero row to zero do they
+    add nothing. A stacked bias after gate_up or after down (``[E, 1, N]``, as read for the
+    dense experts) breaks that: the dense pass must refuse, naming the zero rows, and the
+    layer stays as it is.
+    """
+    original = load("llama4_text_moe")
+    report = verify(original, fuse(original).model, seeds=(3, 4))
+    assert report.passed and report.paths["wgpu"].status == "passed", report.summary()
+    e, inter, hidden = 4, 48, 64
+    for where, shape in (("bmm", (e, 1, 2 * inter)), ("bmm_1", (e, 1, hidden))):
+        mutant = onnx.ModelProto()
+        mutant.CopyFrom(original)
+        node = producer(mutant, where)
+        bump = f"{where}_bumped"
+        tail = [n for n in mutant.graph.node if where in n.input]
+        for n in tail:
+            n.input[list(n.input).index(where)] = bump
+        mutant.graph.initializer.append(
+            nh.from_array(np.full(shape, 0.25, np.float32), f"{bump}_c")
+        )
+        idx = list(mutant.graph.node).index(node)
+        mutant.graph.node.insert(idx + 1, helper.make_node("Add", [where, f"{bump}_c"], [bump]))
+        del mutant.graph.value_info[:]
+        result = fuse(mutant)
+        assert not result.report.fusions, where
+        (miss,) = [m for m in result.report.near_misses if m["part"] == "activation"]
+        assert "zero row" in miss["reason"], miss
 
 
 @pytest.mark.parametrize("name", BATCHED_FUSING)

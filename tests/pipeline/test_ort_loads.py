@@ -14,24 +14,19 @@ On CI the webgpu venv must exist; elsewhere its tests are skipped with the reaso
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from webgpu_jobs import ROOT, run_webgpu_job, webgpu_python
 
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.samples import all_samples
 from onnx_moe_fuse.verify.checker import ort_inexact_reasons, verify
 from onnx_moe_fuse.verify.reference import random_feeds, run_reference
 
-ON_CI = os.environ.get("CI", "").lower() == "true"
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("webgpu_load.py")
 FUSING = [s for s in all_samples(kind="all") if s.expected]
 
 
@@ -43,14 +38,7 @@ def _fused(sample, target: str) -> tuple[onnx.ModelProto, FusionReport]:
 
 
 def _webgpu_python() -> str:
-    python = os.environ.get("ORT_WEBGPU_PYTHON") or str(ROOT / ".venv-webgpu" / "bin" / "python")
-    if not Path(python).is_file():
-        if ON_CI:
-            pytest.fail(f"onnxruntime-webgpu venv missing on CI: {python}")
-        pytest.skip(
-            "no onnxruntime-webgpu venv (run scripts/bootstrap.sh test, or set ORT_WEBGPU_PYTHON)"
-        )
-    return python
+    return webgpu_python()
 
 
 @pytest.mark.parametrize("sample", FUSING, ids=[s.name for s in FUSING])
@@ -63,28 +51,7 @@ def test_fused_for_cpu_runs_in_onnxruntime_cpu(sample):
 
 
 def _webgpu_job(tmp_path: Path, models: dict[str, onnx.ModelProto]) -> dict:
-    job = []
-    for name, model in models.items():
-        path = tmp_path / f"{name}.onnx"
-        onnx.save(model, path)
-        np.savez(tmp_path / f"{name}.in.npz", **random_feeds(model, 7))
-        job.append(
-            {
-                "name": name,
-                "model": str(path),
-                "feeds": str(tmp_path / f"{name}.in.npz"),
-                "outputs": str(tmp_path / f"{name}.out.npz"),
-            }
-        )
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    done = subprocess.run(
-        [_webgpu_python(), str(SCRIPT), str(tmp_path / "job.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_webgpu_job(tmp_path, models, {n: random_feeds(m, 7) for n, m in models.items()})
 
 
 def test_every_sample_fused_for_webgpu_loads_in_onnxruntime_webgpu(tmp_path):
@@ -139,3 +106,54 @@ def test_a_float_layer_quantised_for_webgpu_runs_in_onnxruntime_webgpu(tmp_path)
     want = run_reference(fused, dict(np.load(tmp_path / "quantized.in.npz")))  # the QMoE oracle
     for out, ref in want.items():
         assert np.max(np.abs(got[out] - ref)) <= 1e-4 * np.max(np.abs(ref)), out
+
+
+def _float16_qmoe_twins() -> dict[str, tuple[onnx.ModelProto, onnx.ModelProto]]:
+    """Float16 twins of the hand-written SwiGLU QMoE layers: ``{name: (original, fused)}``.
+
+    Fused for ort-webgpu; the original retyped wholesale (``sample_models/upcast.py``).
+    """
+    import importlib.util
+
+    from onnx_moe_fuse import fuse
+    from onnx_moe_fuse.samples.handwritten import HANDWRITTEN
+
+    spec = importlib.util.spec_from_file_location("upcast", ROOT / "sample_models" / "upcast.py")
+    assert spec is not None and spec.loader is not None
+    upcast = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upcast)
+    out = {}
+    for name, build in HANDWRITTEN.items():
+        layer = build()
+        if getattr(layer.expected, "op", None) != "QMoE":
+            continue
+        model = upcast.retype_floats(layer.model, onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+        fused = fuse(model, target="ort-webgpu")
+        if fused.report.fusions:
+            out[f"{name}_fp16"] = (model, fused.model)
+    return out
+
+
+def test_float16_qmoe_fused_for_webgpu_runs_in_onnxruntime_webgpu(tmp_path):
+    """float16 QMoE (float16 scales and router inputs) loads and runs in onnxruntime-webgpu 1.27.
+
+    On its CPU provider (the WebGPU provider finds no adapter here), against the float16
+    original run in ORT 1.32 CPU (this venv), within float16's tolerance.
+    """
+    _webgpu_python()
+    twins = _float16_qmoe_twins()
+    assert len(twins) >= 3
+    results = _webgpu_job(tmp_path, {name: fused for name, (_, fused) in twins.items()})
+    assert results.pop("onnxruntime") == "1.27.0"
+    from onnx_moe_fuse.verify.ort_nodes import session
+
+    for name, result in results.items():
+        assert result["status"] == "ran", (name, result)
+        got = dict(np.load(tmp_path / f"{name}.out.npz"))
+        feeds = dict(np.load(tmp_path / f"{name}.in.npz"))
+        want = dict(zip([o.name for o in twins[name][0].graph.output],
+                        session(twins[name][0]).run(None, feeds), strict=True))  # fmt: skip
+        for out, ref in want.items():
+            ref = ref.astype(np.float64)
+            err = float(np.max(np.abs(got[out].astype(np.float64) - ref)))
+            assert err <= 5e-3 * float(np.max(np.abs(ref))), (name, out, err)

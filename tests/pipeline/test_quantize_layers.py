@@ -226,3 +226,26 @@ def test_quantized_layers_are_left_to_their_own_codes():
 def test_options_that_cannot_work_are_option_errors(options, words):
     with pytest.raises(OptionError, match=words):
         fuse(get_sample("qwen3_dec_f32").model, **options)
+
+
+def test_a_float16_export_quantised_keeps_its_dtype_and_verifies():
+    """A whole float16 2-layer export: QMoE in float16 (float16 scales), within the tolerance."""
+    from pathlib import Path
+
+    from onnx_moe_fuse.verify import verify, verify_tolerance
+
+    path = (
+        Path(__file__).resolve().parents[2]
+        / "sample_models/exported/causal_lm/qwen3_moe_batched_mm_dynamic_op23_fp16.onnx"
+    )
+    result = fuse(path, quantize="int4", block_size=16)
+    assert [(f["op"], f["dtype"]) for f in result.report.fusions] == [("QMoE", "float16")] * 2
+    for fusion in result.report.fusions:
+        assert fusion["quantization"]["from"] == "float16 weights"
+    scales = [t for t in result.model.graph.initializer if t.name.endswith("fc1_scales")]
+    assert scales and all(t.data_type == onnx.TensorProto.FLOAT16 for t in scales)
+    report = verify(
+        path, result.model, seeds=(0,), paths=("ort",),
+        quantization=verify_tolerance(result.report.fusions),
+    )  # fmt: skip
+    assert report.passed, report.summary()

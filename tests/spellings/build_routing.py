@@ -4,7 +4,8 @@ Every routing is written as the model that uses it writes it (transformers' PyTo
 
 * the softmax routings of ``axes.SOFTMAX_ROUTINGS`` (Mixtral, Qwen-MoE, OLMoE);
 * the value routings of ``axes.VALUE_ROUTINGS``: the k weights are the TopK's values of the
-  scores, as they are (``sigmoid_topk``; ``argmax_top1``, Switch's ``max`` of the softmax) or
+  scores, as they are (``sigmoid_topk``; ``argmax_top1``, Switch's ``max`` of the softmax,
+  written as ``torch.max`` exports it: ArgMax + ReduceMax, keepdims drawn) or
   renormalised and times a constant routing factor (``sigmoid_topk_renorm_scaled``,
   ``softmax_topk_scaled``);
 * the gather routings of ``axes.GATHER_ROUTINGS``: the TopK chooses by the scores plus a
@@ -64,7 +65,10 @@ def routing(layer: _Layer, logits: str, rank: int) -> tuple[str, str]:
     else:
         raw = m == "negative_weight" and c.routing in UNNORMALISED_ROUTINGS
         scores = logits if raw else _scores(layer, logits)
-        vals, idx = _topk(layer, scores, c.top_k)
+        if c.routing == "argmax_top1" and m != "topk_axis":
+            vals, idx = _argmax_max(layer, scores, rank)
+        else:
+            vals, idx = _topk(layer, scores, c.top_k)
         weights = _other_values(layer, vals, rank)
     weights = _post(layer, weights, factor)
     if m == "negative_weight" and c.routing not in UNNORMALISED_ROUTINGS:
@@ -72,6 +76,21 @@ def routing(layer: _Layer, logits: str, rank: int) -> tuple[str, str]:
     if m == "capacity_drop":
         weights = _capacity_drop(layer, weights, idx, rank)
     return weights, idx
+
+
+def _argmax_max(layer: _Layer, scores: str, rank: int) -> tuple[str, str]:
+    """Switch's ``torch.max(probs, dim=-1)``: ArgMax for the expert, ReduceMax for the weight.
+
+    ``keepdims`` drawn: 0 (then ``Unsqueeze(-1)`` of both, as ``.unsqueeze(-1)``) or 1.
+    """
+    g = layer.g
+    keep = int(layer.rng.integers(0, 2))
+    idx = g.node("ArgMax", [scores], "expert_index", axis=-1, keepdims=keep)
+    top = g.node("ReduceMax", [scores, g.i64(-1)], "max_prob", keepdims=keep)
+    if not keep:
+        idx = g.node("Unsqueeze", [idx, g.i64(-1)], "expert_index_k")
+        top = g.node("Unsqueeze", [top, g.i64(-1)], "max_prob_k")
+    return top, idx
 
 
 def _softmax_axis(layer: _Layer) -> int:

@@ -92,6 +92,7 @@ class NormalizeSpellingsPass(ir.passes.InPlacePass):
                 break
             modified = True
         if modified:
+            _bypass_created_identities(model, names.created)
             _remove_dead_created(model, names.created)
             _carry_metadata(model, metadata)
         else:
@@ -100,6 +101,23 @@ class NormalizeSpellingsPass(ir.passes.InPlacePass):
             for value, (type_, shape) in recorded.items():
                 value.type, value.shape = type_, shape
         return ir.passes.PassResult(model, modified)
+
+
+def _bypass_created_identities(model: ir.Model, created: set[str]) -> None:
+    """Read past each ``Identity`` of a value this pass made (``Unsqueeze(Squeeze(x))`` -> x).
+
+    A rule returns ``Identity(x)`` so that the replaced value keeps its name; the passes after
+    this one follow values, not names, and some look for ``x``'s users directly (the dense
+    pass reads the one-hot of a TopK's indices). Graph outputs keep their Identity.
+    """
+    for node in list(model.graph):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        src, out = node.inputs[0], node.outputs[0]
+        if src is None or src.name not in created or out.is_graph_output():
+            continue
+        ir.convenience.replace_all_uses_with(out, src)
+        model.graph.remove(node, safe=True)
 
 
 def _remove_dead_created(model: ir.Model, created: set[str]) -> None:

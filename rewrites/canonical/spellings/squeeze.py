@@ -5,7 +5,9 @@ that drops the axis, then an ``Unsqueeze`` that puts it back. ``Squeeze`` remove
 1 (it fails on any other) and ``Unsqueeze`` with the same axes, counted on ``x``'s rank,
 inserts length-1 axes at the same places: the result is ``x``, element for element and shape
 for shape. The rule returns ``Identity(x)`` so the replaced value keeps its name. Axes must be
-constant (inputs from opset 13, as both ops take them) and ``x``'s rank known.
+constant (inputs from opset 13, as both ops take them) and ``x``'s rank known, and ``x`` a
+TopK's output (the top-1 spellings' ``Squeeze``): other pairs are left for the passes that read
+them as written (the expert loop's squeezed NonZero columns).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class SqueezeUnsqueeze(SpellingRule):
         result = pattern.MatchResult()
         if self.opset < _MIN_OPSET:
             return result.fail(f"opset {self.opset} < {_MIN_OPSET}")
+        made_by = x.producer()
+        if made_by is None or made_by.op_type != "TopK":
+            # only a top-k's values or indices (torch.max(...).values.unsqueeze(-1)): other
+            # Squeeze/Unsqueeze pairs are forms other passes read as they are (expert loops)
+            return result.fail("not a TopK output", x)
         rank = static_rank(x)
         out, back = small_ints(squeezed_axes), small_ints(unsqueezed_axes)
         if rank is None or out is None or back is None:

@@ -30,18 +30,58 @@ __all__ = [
     "LayerParts",
     "ProjectionFact",
     "RoutingFact",
+    "FLOAT_CASTS",
+    "HALF_TYPES",
     "half_precision",
+    "precision_cast",
 ]
 
 
 _HALF = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
+#: The half-precision float types.
+HALF_TYPES = frozenset(_HALF)
+#: The float types a layer may compute in, or cast its routing weights and combine between.
+FLOAT_CASTS = frozenset(
+    {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+)
+#: ``{type: the types that hold each of its values exactly}`` among :data:`FLOAT_CASTS`.
+_WIDER = {
+    ir.DataType.FLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
+    ir.DataType.BFLOAT16: frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE}),
+    ir.DataType.FLOAT: frozenset({ir.DataType.DOUBLE}),
+}
+
+
+def precision_cast(value: ir.Value | None, *, widening: bool = False) -> ir.Node | None:
+    """The plain ``Cast`` between float types that computes ``value``, else None.
+
+    A float16/bfloat16 export casts around its routing and combine (torch.onnx writes the
+    router's ``.float()`` and the combine's upcast as Casts): the layer is the same sum over
+    the reals, rounded differently, so the recognisers look through such a Cast where the
+    fused node's own rounding in its dtype stands for it (the routing weights, the combine).
+    ``widening``: only a Cast that holds every input value exactly (float16 -> float32).
+    """
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+        return None
+    src = node.inputs[0] if node.inputs else None
+    to = node.attributes.get("to")
+    if src is None or to is None or to.is_ref() or len(node.attributes) != 1:
+        return None
+    target = ir.DataType(to.as_int())  # a Cast's output type is its ``to``, declared or not
+    if src.dtype not in FLOAT_CASTS or target not in FLOAT_CASTS:
+        return None  # the source's type must be known (declared, as exporters write it)
+    if widening and target not in _WIDER.get(src.dtype, frozenset()):
+        return None
+    return node
 
 
 def half_precision(part: str, value: ir.Value) -> Refusal | None:
     """A refusal naming the dtype when ``value`` is a Cast of a half-precision value.
 
-    A float16 export casts around routing and combine; the part that does not match is then a
-    Cast, and the reason must say the dtype, which this version does not fuse.
+    A float16 export casts around routing and combine, where the recognisers look through the
+    casts (:func:`precision_cast`); a Cast anywhere else in a part (inside an expert, between
+    FC1 and the activation) is not taken, and the reason must say the dtype.
     """
     node = value.producer()
     if node is None or node.op_type != "Cast" or node.inputs[0] is None:
@@ -51,8 +91,8 @@ def half_precision(part: str, value: ir.Value) -> Refusal | None:
         return None
     return Refusal(
         f"'{value_label(value)}' is a Cast of the {dtype} '{value_label(node.inputs[0])}' "
-        f"({part} computes in {dtype}): this version fuses float32 layers only "
-        "(float16/bfloat16 layers are left as they are)",
+        f"({part} computes in {dtype}): a layer fuses in one float type, with casts only on "
+        "its routing weights and around its combine",
         node,
         part="target",
     )

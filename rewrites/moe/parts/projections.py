@@ -240,8 +240,8 @@ def recognise_fc2(
         if mask is not None:
             raise mask from None
         node = expert_out.producer()
-        if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
-            raise slots_failure from None
+        if node is None or node.op_type not in ("Reshape", "Unsqueeze") or node.inputs[0] is None:
+            raise slots_failure from None  # (an Unsqueeze: the un-flattening Reshape at k = 1)
         try:
             fact = recognise_projection(node.inputs[0], "fc2", "rows", "fc2")
         except Refusal:

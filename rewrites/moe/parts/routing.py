@@ -24,7 +24,7 @@ from onnxscript.rewriter import pattern
 from onnx_moe_fuse.rewrites.graph.facts import label, value_label
 from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellings
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
-from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, half_precision
+from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, half_precision, precision_cast
 
 __all__ = ["SELECTED", "WEIGHT_FORMS", "recognise_routing", "routing_pattern", "selected_routing"]
 
@@ -99,7 +99,28 @@ _PATTERNS = (
 
 
 def recognise_routing(weights: ir.Value) -> RoutingFact:
-    """The routing TopK behind ``weights`` (the values the combine weights the slots by)."""
+    """The routing TopK behind ``weights`` (the values the combine weights the slots by).
+
+    Casts between float types on the way are looked through (a float16 export computes its
+    routing in float32 and casts the weights down, or the other way round): the fused node
+    rounds the weights to its own dtype, and the layer proof feeds a cast layer as its
+    selection and these very weights (``analysis.finish_layer``).
+    """
+    inner = weights
+    for _ in range(2):
+        cast = precision_cast(inner)
+        if cast is None:
+            break
+        inner = cast.inputs[0]
+    fact = _recognise_routing(inner)
+    if inner is weights:
+        return fact
+    b = dict(fact.bindings)
+    b["routing_casts"] = True
+    return _fact(fact.topk, weights, fact.form, fact.nodes, b)
+
+
+def _recognise_routing(weights: ir.Value) -> RoutingFact:
     node = weights.producer()
     if node is not None and node.op_type == "TopK" and node.domain in ("", "ai.onnx"):
         if weights.index() != 0:

@@ -529,3 +529,27 @@ def test_older_opsets_take_reduce_max_axes_as_an_attribute(opset, construction):
         np.testing.assert_allclose(a, b, rtol=2e-7, atol=1e-6)
     with pytest.raises(ValueError, match="opset >= 15"):
         build_routing(TapeRewriterContext(), vi, vw, e, construction, opset=14)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_construction_constants_are_safe_in_half_precision(dtype: str) -> None:
+    """A half-precision layer is always fed through the construction: its constants in T.
+
+    ``LOG_FLOOR`` and ``UNSELECTED`` are finite and stay ordered (bfloat16 rounds them to -9984
+    and -29952), and a floored logit's softmax weight is 0 in T, so a zero weight stays 0.
+    """
+    import ml_dtypes
+
+    t = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    floor, unselected = np.array(LOG_FLOOR, t), np.array(UNSELECTED, t)
+    assert np.isfinite(floor) and np.isfinite(unselected) and unselected < floor
+    assert float(np.exp(floor)) == 0.0
+    # the numpy twin in T: the selection survives, weights within T's rounding
+    idx = np.array([[3, 0], [1, 2]], dtype=np.int64)
+    w = np.array([[0.75, 0.25], [0.0, 2.5]], dtype=t)
+    arrays = reference_routing(idx, w, 4, LOGITS)
+    assert arrays.router_probs.dtype == np.dtype(t)
+    top = np.argsort(-arrays.router_probs.astype(np.float64), axis=1, kind="stable")[:, :2]
+    assert {tuple(sorted(r)) for r in top} == {(0, 3), (1, 2)}
+    got = reference_output_weights(arrays, idx)
+    np.testing.assert_allclose(got, w.astype(np.float64), rtol=1e-2, atol=1e-2)

@@ -194,6 +194,17 @@ def fill_like_scores(z: ir.Value | None, routing: Routing) -> np.ndarray | None:
     reads, or the logits under its Softmax/Sigmoid); None otherwise.
     """
     node = z.producer() if z is not None else None
+    array = const_array(z) if z is not None else None
+    scores = routing.topk.inputs[0]
+    if array is not None:  # a static export folds the fill into a constant of the scores' shape
+        array = np.asarray(array)
+        static = scores.shape if scores is not None else None
+        if static is None or not all(isinstance(d, int) for d in static):
+            return None
+        if array.size == 0 or tuple(array.shape) != tuple(static):
+            return None
+        flat = array.reshape(-1)
+        return flat[:1] if bool(np.all(flat == flat[0])) else None
     if node is None or node.domain not in STD:
         return None
     if node.op_type == "ConstantOfShape":
@@ -210,7 +221,6 @@ def fill_like_scores(z: ir.Value | None, routing: Routing) -> np.ndarray | None:
     if not is_op(shape, "Shape") or not _whole_shape(shape):
         return None
     src = shape.inputs[0]
-    scores = routing.topk.inputs[0]
     before = scores.producer() if scores is not None else None
     same = src is scores or (
         before is not None and before.op_type in ("Softmax", "Sigmoid") and src is before.inputs[0]

@@ -22,6 +22,7 @@ token times a zero score is NaN in the model's unselected experts).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,7 +100,10 @@ def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
     if not is_op(tr, "Transpose") or perm is None or list(perm.as_ints()) != [1, 0]:
         raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
     rs = only_consumer(tr.outputs[0], "the transposed scores")
-    if not is_op(rs, "Reshape") or const_ints(rs.inputs[1]) != [-1, 1]:
+    target = const_ints(rs.inputs[1]) if is_op(rs, "Reshape") else None
+    static = scores.shape if scores.shape is not None else None
+    count = math.prod(static) if static and all(isinstance(d, int) for d in static) else None
+    if target is None or len(target) != 2 or target[1] != 1 or target[0] not in (-1, count):
         raise Refusal(f"{label(rs)}: the [E, T] scores are not flattened to [E*T, 1]", rs)
     return rs.outputs[0], [tr, rs]
 
@@ -233,7 +237,8 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
         tile_nodes = _repeated_tokens(tiled, routing.tokens, e)
         view = only_consumer(mul.outputs[0], "the scaled rows")
         shape = const_ints(view.inputs[1]) if is_op(view, "Reshape") else None
-        if shape is None or len(shape) != 3 or shape[0] != e or shape[1] != -1:
+        tokens = _static_tokens(routing.tokens)
+        if shape is None or len(shape) != 3 or shape[0] != e or shape[1] not in (-1, tokens):
             raise Refusal(f"{label(view)}: the scaled rows are not regrouped to [E, T, H]", view)
         root = _sum_over_experts(view.outputs[0])
     y = root.inputs[0]
@@ -267,6 +272,12 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
     mask = DenseWeights(routing.values, None, None, [*col_nodes, mul, *tile_nodes, view])
     combine = Combine(root, None, y, combine_nodes)
     return routing, mask, combine, mlp, Prescale(scores, routing.values)
+
+
+def _static_tokens(tokens: ir.Value) -> int | None:
+    """T when the ``[T, H]`` tokens have a static row count (a static export), else None."""
+    shape = tokens.shape
+    return shape[0] if shape is not None and len(shape) == 2 and isinstance(shape[0], int) else None
 
 
 def _sum_over_experts(grouped: ir.Value) -> ir.Node:

@@ -34,6 +34,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
+from onnx_moe_fuse.rewrites.graph.selection_rounds import same_topk
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
 
 __all__ = ["Routing", "check_weights", "read_routing", "router_reads"]
@@ -181,8 +182,11 @@ def check_weights(w: ir.Value, routing: Routing) -> None:
             if id(v) in seen:
                 continue
             seen.add(id(v))
-            if v is routing.values:
-                seen_values = True
+            made_by = v.producer()
+            if v is routing.values or (
+                made_by is not None and v.index() == 0 and same_topk(made_by, routing.topk)
+            ):
+                seen_values = True  # (a TopK computing the same: ArgMax + ReduceMax spelled)
                 continue
             gather = v.producer()
             if (

@@ -133,7 +133,7 @@ def _rewrite(model: ir.Model, loop: ExpertLoop) -> None:
     names = FreshNames(model, "loop")
     b = _Builder(model, names, f"{label(loop.topk)}/expert_loop")
     mlps, first = loop.mlps, loop.mlps[0]
-    float_type = ir.TensorType(ir.DataType.FLOAT)
+    float_type = ir.TensorType(first.fc2.weight.dtype)  # the experts' type (float32 or half)
     starts: dict[int, ir.Value] = {}
     for j, projection in enumerate(first.fc1):
         weight = b.stacked([m.fc1[j].weight for m in mlps], f"fc1_{j}_experts")

@@ -161,6 +161,9 @@ class _Expert:
     nodes: list[ir.Node]
 
 
+_LAYER_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
 def _expert(c: Coords, k: int, topk: ir.Node, hidden_of) -> _Expert:
     e = c.expert
     v = _scatter_input(c)
@@ -277,10 +280,10 @@ def analyse_loop(topk: ir.Node, mask: Mask) -> ExpertLoop:
     first = experts[0]
     hidden = hidden_of(first.mlp)
     tokens = first.tokens
-    if first.mlp.fc2.weight.dtype != ir.DataType.FLOAT:
+    if first.mlp.fc2.weight.dtype not in _LAYER_FLOATS:
         raise Refusal(
-            f"the experts compute in {first.mlp.fc2.weight.dtype}; the layer rules fuse float32 "
-            "experts only"
+            f"the experts compute in {first.mlp.fc2.weight.dtype}; the layer rules fuse float32, "
+            "float16 and bfloat16 experts"
         )
     dims = value_dims(tokens)
     if dims[1].syms or dims[1].coef != hidden or first.mlp.fc1[0].weight.dims[0] != hidden:

@@ -12,7 +12,9 @@ permutation) and sums the k slots of each token, in one of these spellings:
   into the constant ``arange(n)``, which is checked value by value;
 * weighting before the un-sort (weights gathered by ``perm``) or after it (flat weights);
 * then ``Reshape(_, [-1, k, H])`` (static: ``[T, k, H]`` with ``T * k`` rows) and
-  ``ReduceSum(axes=[1], keepdims=0)``.
+  ``ReduceSum(axes=[1], keepdims=0)``;
+* in a float16/bfloat16 export, a widening Cast to float32 of FC2's rows before the weighting,
+  or of the reshaped slots before the sum (exact: the sum is over float32 values).
 
 :func:`combine` proves one of them for the ``perm`` of the block's argsort (an un-sort by another
 permutation is refused) and returns the layer output and the ``[T, k]`` routing weights. Only
@@ -188,8 +190,35 @@ def _is_slots_shape(shape: list[int] | None, perm: ir.Value, k: int, hidden: int
     return dims is not None and len(dims) == 1 and shape[0] * k == dims[0]
 
 
-def combine(fc2: ir.Value, perm: ir.Value, k: int, hidden: int) -> tuple[ir.Value, ir.Value]:
-    """Prove un-sort + weighting + sum over k; returns ``(layer_out, weights [T, k])``."""
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_WIDE = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+
+
+def _upcast(value: ir.Value) -> ir.Node | None:
+    """The one user of ``value`` when it is a widening float Cast (float16 -> float32), else None.
+
+    A float16/bfloat16 grouped_mm export sums its experts' outputs in float32: the Cast is exact.
+    """
+    node = _sole_user(value)
+    if node is None or node.op_type != "Cast" or value.dtype not in _HALF:
+        return None
+    to = attr_int(node, "to", 0)
+    return node if to and ir.DataType(to) in _WIDE else None
+
+
+def combine(
+    fc2: ir.Value, perm: ir.Value, k: int, hidden: int
+) -> tuple[ir.Value, ir.Value, ir.DataType | None]:
+    """Prove un-sort + weighting + sum over k.
+
+    Returns ``(layer_out, weights [T, k], upcast)``: ``upcast`` is the wider float type a
+    half-precision block casts FC2's rows to before it weights them, or the weighted slots to
+    before it sums them (None: no cast).
+    """
+    upcast: ir.DataType | None = None
+    cast = _upcast(fc2)
+    if cast is not None:
+        fc2, upcast = cast.outputs[0], ir.DataType(attr_int(cast, "to", 0))
     weighted = _weighted(fc2, perm)
     if weighted is not None:
         product, weights = weighted
@@ -208,10 +237,14 @@ def combine(fc2: ir.Value, perm: ir.Value, k: int, hidden: int) -> tuple[ir.Valu
     reshape = users[0] if len(users) == 1 and users[0].op_type == "Reshape" else None
     if reshape is None or not _is_slots_shape(const_ints(reshape.inputs[1]), perm, k, hidden):
         raise Refusal(f"the un-sorted rows {rows.name!r} are not reshaped to [-1, {k}, {hidden}]")
-    users = uses(reshape.outputs[0])
+    summed = reshape.outputs[0]
+    cast = _upcast(summed) if upcast is None else None
+    if cast is not None:
+        summed, upcast = cast.outputs[0], ir.DataType(attr_int(cast, "to", 0))
+    users = uses(summed)
     reduce = users[0] if len(users) == 1 and users[0].op_type == "ReduceSum" else None
     if reduce is None or _axes(reduce) != [1] or attr_int(reduce, "keepdims", 1) != 0:
-        raise Refusal(f"{reshape.outputs[0].name!r} is not summed over the k slots (axes=[1])")
+        raise Refusal(f"{summed.name!r} is not summed over the k slots (axes=[1])")
     if weights.shape is None or len(weights.shape) != 2 or weights.shape[1] != k:
         raise Refusal(f"the routing weights {weights.name!r} are not [T, {k}]")
-    return reduce.outputs[0], weights
+    return reduce.outputs[0], weights, upcast

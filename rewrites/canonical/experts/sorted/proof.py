@@ -83,6 +83,8 @@ class SortedBlock:
     layer_out: ir.Value  # [T, H], the ReduceSum over k
     fc1_bias: ir.Value | None = None  # [E, N1], added per row as bias[sorted id]
     fc2_bias: ir.Value | None = None  # [E, H]
+    # the wider float type a half-precision block sums its experts' outputs in (None: its own)
+    upcast: ir.DataType | None = None
 
 
 def _routing_ids(flat: ir.Value) -> ir.Value | None:
@@ -192,17 +194,20 @@ def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
 # -- the whole block ---------------------------------------------------------------------------
 
 
+_LAYER_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
 def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
     """Prove the block whose argsort is ``sort``; raise a ``Refusal`` otherwise."""
     flat, ids, k, num_experts = _check_sort(sort)
     sorted_ids, perm = sort.outputs
     tokens, rows = _sorted_tokens(perm, k, ids)
-    if tokens.dtype != ir.DataType.FLOAT:
-        # The layer rules fuse float32 experts only; a half-precision block would be rewritten
-        # for nothing, and its refusal should say why it is left (the fuser reports it).
+    if tokens.dtype not in _LAYER_FLOATS:
+        # The layer rules fuse float32, float16 and bfloat16 experts; a block in another type
+        # would be rewritten for nothing, and its refusal should say why it is left.
         raise Refusal(
             f"the block computes in {_dtype_name(tokens.dtype)} ({tokens.name!r}); the layer "
-            "rules fuse float32 experts only"
+            "rules fuse float32, float16 and bfloat16 experts"
         )
     fc1_out, fc1, ranges1, offsets = projection(rows, num_experts, "FC1")
     check_offsets(offsets, (sorted_ids, flat), num_experts)
@@ -228,11 +233,23 @@ def analyse_sorted_block(sort: ir.Node) -> SortedBlock:
     _check_weight_shapes(tokens, fc1, fc2)
     hidden = fc2.k_major_dims()[1]
     fc2_out, fc2_bias = _bias_added(fc2_out, sorted_ids, num_experts, tokens)
-    layer_out, weights = combine(fc2_out, perm, k, hidden)
+    layer_out, weights, upcast = combine(fc2_out, perm, k, hidden)
     if not layer_out.is_graph_output() and not layer_out.uses():
         raise Refusal(f"the layer output {layer_out.name!r} is not used")
     return SortedBlock(
-        sort, tokens, ids, weights, k, num_experts, fc1, fc2, region, layer_out, fc1_bias, fc2_bias
+        sort,
+        tokens,
+        ids,
+        weights,
+        k,
+        num_experts,
+        fc1,
+        fc2,
+        region,
+        layer_out,
+        fc1_bias,
+        fc2_bias,
+        upcast,
     )
 
 

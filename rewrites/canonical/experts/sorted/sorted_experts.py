@@ -177,8 +177,13 @@ def _rewrite(model: ir.Model, block: SortedBlock) -> None:
     fc2 = b.node("GroupedMatMul", fc2_inputs, "fc2_rows", tokens)
     slots_shape = b.const([-1, k, hidden], "slots_shape")
     slots = b.node("Reshape", [fc2, slots_shape], "fc2_slots", tokens, [t, k, hidden])
+    if block.upcast is not None:
+        # a half-precision block sums in float32: the widening Cast is exact here; where the
+        # export cast the weighted slots instead, the product rounds in float32 (once) here
+        slots = b.node("Cast", [slots], "fc2_slots_wide", None, [t, k, hidden], to=block.upcast)
+        slots.type = ir.TensorType(block.upcast)
     w3 = b.node("Unsqueeze", [block.weights, b.const([-1], "weights_axes")], "weights_unsq")
-    weighted = b.node("Mul", [slots, w3], "weighted_slots", tokens, [t, k, hidden])
+    weighted = b.node("Mul", [slots, w3], "weighted_slots", slots, [t, k, hidden])
     out = b.node("ReduceSum", [weighted, b.const([1], "slot_axis")], "layer_out", keepdims=0)
 
     old_reduce = block.layer_out.producer()

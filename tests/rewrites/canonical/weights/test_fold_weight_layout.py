@@ -99,9 +99,70 @@ def test_folds_int4_transpose_before_dequantize(rng):
     np.testing.assert_array_equal(run(folded, {"x": x})[0], expected)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_float32_weights_cast_to_float16_fold_to_the_casts_values(rng):
+    """A mixed-precision export's float32 weight cast down to the float16 layer: folded.
+
+    The folded constant is exactly what ORT's Cast computes (numpy rounds as it does: to
+    nearest even, overflow to inf; run here through an Identity, halfway values and overflow
+    included). The models then agree within one float16 ulp, not bit for bit: ORT CPU computes
+    the original's float16 ``Mul`` in float32 behind casts it inserts and drops the Cast's
+    rounding on the way (measured: ``x * Cast(70000.0)`` comes out finite there, and products
+    of ordinary weights differ by an ulp), while the folded weight is the Cast's value.
+    """
+    w = weights(rng, (3, 4))
+    f16 = np.float16(1.0)
+    w[0, :3] = [
+        (float(f16) + float(np.nextafter(f16, np.float16(2)))) / 2,  # halfway: rounds to even
+        70000.0,  # overflows float16: inf, as ORT's Cast
+        65519.0,  # rounds down to the largest float16
+    ]
+    cast = [helper.make_node("Cast", ["W"], ["w"], to=TensorProto.FLOAT16)]
+    ident = model(
+        [*cast, helper.make_node("Identity", ["w"], ["w_out"])],
+        [tensor("W", w)],
+        [1],
+        x_dtype=TensorProto.FLOAT16,
+    )
+    ident.graph.output.append(helper.make_tensor_value_info("w_out", TensorProto.FLOAT16, None))
+    ort_cast = run(ident, {"x": np.ones((1,), np.float16)})[1]
+    work = ir.serde.deserialize_model(
+        model(cast, [tensor("W", w)], [3, 4], x_dtype=TensorProto.FLOAT16)
+    )
+    assert FoldWeightLayoutPass()(work).modified
+    folded = ir.serde.serialize_model(work)
+    assert ops(folded) == Counter({"Mul": 1})
+    value = dict(work.graph.initializers)["w"].const_value
+    assert value.dtype == ir.DataType.FLOAT16
+    np.testing.assert_array_equal(value.numpy(), ort_cast)
+    np.testing.assert_array_equal(value.numpy(), w.astype(np.float16))
+    x = weights(rng, (3, 4), np.float16)
+    (want,) = run(model(cast, [tensor("W", w)], [3, 4], x_dtype=TensorProto.FLOAT16), {"x": x})
+    (got,) = run(folded, {"x": x})
+    # ORT runs the original's Cast + float16 Mul with its inserted float32 casts, the Cast's
+    # rounding dropped (measured: 70000 stays 70000 there, the product finite), so compare
+    # where the float16 weight is finite, within one float16 ulp
+    finite = np.isfinite(w.astype(np.float16)) & np.isfinite(want)
+    ulp = np.spacing(np.abs(want[finite]).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(got[finite].astype(np.float64) - want[finite]) <= ulp)
+    assert np.all(np.isinf(got[~np.isfinite(w.astype(np.float16))]))  # ONNX's Cast: inf
+
+
+def test_float32_weights_cast_to_bfloat16_fold():
+    """The same for bfloat16 (ORT 1.32 CPU's Cast measured bit-identical to ml_dtypes')."""
+    import ml_dtypes
+
+    from onnx_moe_fuse.rewrites.canonical.weights.layout_ops import exact_cast_target
+
+    cast = ir.node("Cast", [ir.Value(name="w")], {"to": int(ir.DataType.BFLOAT16)})
+    assert exact_cast_target(cast, ir.DataType.FLOAT) == ir.DataType.BFLOAT16
+    assert exact_cast_target(cast, ir.DataType.DOUBLE) is None  # not measured: left alone
+    assert ml_dtypes.bfloat16  # the dtype numpy folds it with
+
+
 @pytest.mark.parametrize(
     ("source", "target"),
-    [(TensorProto.FLOAT, TensorProto.FLOAT16), (TensorProto.FLOAT, TensorProto.INT32)],
+    [(TensorProto.DOUBLE, TensorProto.FLOAT), (TensorProto.FLOAT, TensorProto.INT32)],
 )
 def test_rounding_cast_left_alone(source, target, rng):
     w = weights(rng, (3, 4), helper.tensor_dtype_to_np_dtype(source))
