@@ -248,6 +248,8 @@ ROUTER_FORMS = {
     "llama4": "sigmoid_topk_dense",
 }
 NORMALISED_ROUTERS = {"softmax_topk", "topk_softmax"}
+#: routers whose top-1 score scales the expert input (Llama4): fused at k = 1
+INPUT_SCALED_ROUTERS = {"sigmoid_topk_dense"}
 TOPK_ROUTERS = {
     "sparsemixer",  # PhiMoE: two top-1 rounds are the columns of one TopK
     "sigmoid_bias_group_topk",
@@ -412,7 +414,7 @@ def test_causal_expected_follows_the_router(name: str) -> None:
     half = rec["dtype"] != "float32"
     fusable = 0
     for e in moe_layers:
-        fusable += form in NORMALISED_ROUTERS or form in TOPK_ROUTERS
+        fusable += form in NORMALISED_ROUTERS | TOPK_ROUTERS | INPUT_SCALED_ROUTERS
         if rec["dtype"] == "bfloat16" and form in NORMALISED_ROUTERS | TOPK_ROUTERS:
             assert (e["outcome"], e["refusal_names"]) == ("refused", "target")
         elif form in NORMALISED_ROUTERS:
@@ -430,6 +432,10 @@ def test_causal_expected_follows_the_router(name: str) -> None:
             # the construction chooses normalisation and the rest: only the op and k are pinned
             assert e["outcome"] == "MoE"
             assert e["attributes"] == {"k": config_top_k(rec["config"])}
+        elif form in INPUT_SCALED_ROUTERS:
+            # Llama4 top-1: the experts read the tokens scaled by their score, weight 1
+            assert config_top_k(rec["config"]) == 1
+            assert e["outcome"] == "MoE" and e["attributes"]["k"] == 1
         else:
             assert (e["outcome"], e["refusal_names"]) == ("refused", "router")
     fused = sum(e["outcome"] == "MoE" for e in layers)

@@ -164,9 +164,14 @@ class Emitter:
         fc2_out = self.node("Reshape", [grouped.outputs[0], shape], "fc2")
         w3 = self.node("Unsqueeze", [w, self.ints("weights_axes", [-1])], "routing_weights_3d")
         mul = self.node("Mul", [fc2_out.outputs[0], w3.outputs[0]], "weighted")
-        out = self.node(
-            "ReduceSum", [mul.outputs[0], self.ints("slots_axes", [1])], "out", keepdims=0
-        )
+        summed = mul.outputs[0]
+        if layer.prescale is not None and layer.prescale.sum_type is not None:
+            # the export sums in float32 (torch upcasts a half-precision sum): so does this
+            mul.outputs[0].dtype = mlps[0].fc2.out.dtype  # what the widening Cast reads
+            summed = self.node("Cast", [summed], "weighted_wide", to=layer.prescale.sum_type)
+            summed = summed.outputs[0]
+            summed.dtype = ir.DataType(layer.prescale.sum_type)
+        out = self.node("ReduceSum", [summed, self.ints("slots_axes", [1])], "out", keepdims=0)
         self.stands_for.append((out, layer.combine.root))
         self.graph.insert_before(layer.combine.root, self.new_nodes)
         self.take_over(layer.combine.root.outputs[0], out.outputs[0])

@@ -64,6 +64,7 @@ class Prescale:
 
     scores: ir.Value  # S [T, E]
     values: ir.Value  # the TopK's values (softmaxed over the one slot: weight 1)
+    sum_type: int | None = None  # the float type a widening Cast before the sum gives it
 
 
 def _score_chain(scatter: ir.Node) -> tuple[ir.Value, list[ir.Node]]:
@@ -244,6 +245,12 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
     y = root.inputs[0]
     combine_nodes = [root]
     inner = y.producer() if y is not None else None
+    sum_type = None
+    if is_op(inner, "Cast") and _widens(inner):  # a half-precision export sums in float32
+        sum_type = attr_int(inner, "to", 0)
+        combine_nodes.append(inner)
+        y = inner.inputs[0]
+        inner = y.producer() if y is not None else None
     if is_op(inner, "Reshape") and const_ints(inner.inputs[1]) == shape:
         combine_nodes.append(inner)
         y = inner.inputs[0]
@@ -271,7 +278,16 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
             )
     mask = DenseWeights(routing.values, None, None, [*col_nodes, mul, *tile_nodes, view])
     combine = Combine(root, None, y, combine_nodes)
-    return routing, mask, combine, mlp, Prescale(scores, routing.values)
+    return routing, mask, combine, mlp, Prescale(scores, routing.values, sum_type)
+
+
+_WIDER = {ir.DataType.FLOAT16: {1, 11}, ir.DataType.BFLOAT16: {1, 11}, ir.DataType.FLOAT: {11}}
+
+
+def _widens(cast: ir.Node) -> bool:
+    """A Cast to a float type that holds every value of its input's (float16 -> float32)."""
+    src = cast.inputs[0]
+    return src is not None and attr_int(cast, "to", 0) in _WIDER.get(src.dtype, set())
 
 
 def _static_tokens(tokens: ir.Value) -> int | None:
