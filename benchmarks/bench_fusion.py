@@ -8,7 +8,17 @@ the same intra-op thread count; the parent watches the child's resident memory a
 past --mem-limit-gb, reporting "out of memory". Prints medians over --runs calls and the
 ratio original/fused, plus peak resident memory.
 
+A second table (``--float-scale``, 0 skips it) takes the same layer with float32 weights and
+compares, side by side: the unfused float layer, the fused float ``MoE``, and ``QMoE`` int4
+(blocks of 32, ``--quantize int4``) with accuracy_level 0 and 4, with each QMoE's measured
+quantisation error; ratios are unfused / each. When the ``openvino`` package is importable,
+OpenVINO's CPU plugin runs the same unfused float layer too (a line says so when it is not;
+it is no dependency of this project). The float layer is 4x the int4 one on disk (2.4 GB at
+full size), so ``--float-scale`` defaults to 0.5 (H=1024, I=384, E=64) to keep the run modest
+on 2 cores.
+
     .venv/bin/python benchmarks/bench_fusion.py [--threads 2] [--runs 5] [--tokens 1 16 128]
+                                                [--float-scale 0.5]
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from pathlib import Path
 SIZES = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 
 
-def _build_layer(scale: float) -> tuple[object, dict[str, int]]:
+def _build_layer(scale: float, weights: str = "int4b32") -> tuple[object, dict[str, int]]:
     from onnx_moe_fuse.samples.layers import LayerSpec, build_layer
 
     sizes = {k: max(1, int(v * scale)) if k != "top_k" else v for k, v in SIZES.items()}
@@ -38,31 +48,46 @@ def _build_layer(scale: float) -> tuple[object, dict[str, int]]:
         routing="softmax_topk_renorm",
         activation="swiglu",
         spelling="dec",
-        weights="int4b32",
+        weights=weights,
         seed_key="bench_fusion",
     )
     return build_layer(spec), sizes
 
 
-def _child(model: str, tokens: int, threads: int, runs: int) -> None:
-    """Run inside the child process: load, warm up, time; print one JSON line."""
-    import numpy as np
+def _ort_runner(model: str, threads: int):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    start = time.perf_counter()
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    load_s = time.perf_counter() - start
     (feed,) = session.get_inputs()
-    hidden = feed.shape[-1]
+    return feed.shape[-1], lambda x: session.run(None, {feed.name: x})
+
+
+def _openvino_runner(model: str, threads: int):
+    import openvino as ov
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model), "CPU", {"INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+    hidden = compiled.input(0).get_partial_shape()[-1].get_length()
+    return hidden, lambda x: request.infer({0: x})
+
+
+def _child(model: str, tokens: int, threads: int, runs: int, engine: str = "ort") -> None:
+    """Run inside the child process: load, warm up, time; print one JSON line."""
+    import numpy as np
+
+    start = time.perf_counter()
+    hidden, run = (_openvino_runner if engine == "openvino" else _ort_runner)(model, threads)
+    load_s = time.perf_counter() - start
     x = np.random.default_rng(0).standard_normal((tokens, hidden)).astype(np.float32)
-    session.run(None, {feed.name: x})
+    run(x)
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        session.run(None, {feed.name: x})
+        run(x)
         times.append(time.perf_counter() - start)
     # VmHWM, not ru_maxrss: ru_maxrss survives exec and would count the parent's memory.
     peak_gb = _status_gb(os.getpid(), "VmHWM:")
@@ -84,10 +109,13 @@ def _rss_gb(pid: int) -> float:
     return _status_gb(pid, "VmRSS:")
 
 
-def _measure(model: Path, tokens: int, threads: int, runs: int, limit_gb: float) -> dict:
+def _measure(
+    model: Path, tokens: int, threads: int, runs: int, limit_gb: float, engine: str = "ort"
+) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    child = [str(model), str(tokens), str(threads), str(runs), engine]
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", str(model), str(tokens), str(threads), str(runs)],
+        [sys.executable, __file__, "--child", *child],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -123,12 +151,22 @@ def main() -> None:
         help="shrink H, I and E by this factor (a quick trial run)",
     )
     parser.add_argument(
-        "--child", nargs=4, metavar=("MODEL", "TOKENS", "THREADS", "RUNS"), help=argparse.SUPPRESS
+        "--float-scale",
+        type=float,
+        default=0.5,
+        help="the float-layer table (unfused / MoE / QMoE int4) at this fraction of the sizes; "
+        "0 skips it",
+    )
+    parser.add_argument(
+        "--child",
+        nargs=5,
+        metavar=("MODEL", "TOKENS", "THREADS", "RUNS", "ENGINE"),
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
     if args.child:
-        model, tokens, threads, runs = args.child
-        _child(model, int(tokens), int(threads), int(runs))
+        model, tokens, threads, runs, engine = args.child
+        _child(model, int(tokens), int(threads), int(runs), engine)
         return
 
     import onnx
@@ -183,6 +221,85 @@ def main() -> None:
                 f"{f['peak_gb']:.2f} |",
                 flush=True,
             )
+    if args.float_scale > 0:
+        _float_table(args)
+
+
+def _ms(cell: dict) -> str:
+    return cell["error"] if "error" in cell else f"{cell['median_s'] * 1e3:.1f}"
+
+
+def _ratio(base: dict, cell: dict) -> str:
+    if "median_s" not in base or "median_s" not in cell:
+        return "-"
+    return f"{base['median_s'] / cell['median_s']:.1f}x"
+
+
+def _float_table(args: argparse.Namespace) -> None:
+    """Unfused float vs MoE vs QMoE int4 (accuracy_level 0 and 4), and OpenVINO if present."""
+    import importlib.util
+
+    import onnx
+
+    from onnx_moe_fuse import fuse
+
+    variants = {
+        "MoE": {},
+        "QMoE int4": {"quantize": "int4"},
+        "QMoE int4 acc4": {"quantize": "int4", "accuracy_level": 4},
+    }
+    with tempfile.TemporaryDirectory(prefix="bench_fusion_float_") as tmp:
+        original, sizes = _build_layer(args.float_scale, "f32")
+        paths = {"unfused": Path(tmp) / "unfused.onnx"}
+        notes = []
+        for name, options in variants.items():
+            start = time.perf_counter()
+            result = fuse(original, **options)
+            fuse_s = time.perf_counter() - start
+            (fusion,) = result.report.fusions
+            quant = fusion.get("quantization")
+            error = f", measured max rel error {quant['max_rel_error']:.3g}" if quant else ""
+            notes.append(f"{name}: {fusion['op']} fused in {fuse_s:.1f} s{error}")
+            paths[name] = Path(tmp) / f"{name.replace(' ', '_')}.onnx"
+            onnx.save_model(
+                result.model,
+                paths[name],
+                save_as_external_data=True,
+                location=paths[name].name + ".data",
+            )
+            del result
+        onnx.save_model(
+            original, paths["unfused"], save_as_external_data=True, location="unfused.onnx.data"
+        )
+        del original
+        openvino = importlib.util.find_spec("openvino") is not None
+        print()
+        print(
+            f"float layer: {sizes}, float32 weights, SwiGLU; " + "; ".join(notes) + " "
+            "(QMoE: --quantize int4, blocks of 32; acc4: --accuracy-level 4, int8 activations)"
+        )
+        if not openvino:
+            print("openvino: not installed, its column is skipped (pip install openvino to add it)")
+        head = ["tokens", "unfused ms", *(f"{n} ms" for n in variants)]
+        head += [f"unfused / {n}" for n in variants]
+        if openvino:
+            head += ["OpenVINO unfused ms", "unfused / OpenVINO"]
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for tokens in args.tokens:
+            cells = {
+                name: _measure(path, tokens, args.threads, args.runs, args.mem_limit_gb)
+                for name, path in paths.items()
+            }
+            base = cells["unfused"]
+            row = [str(tokens), _ms(base), *(_ms(cells[n]) for n in variants)]
+            row += [_ratio(base, cells[n]) for n in variants]
+            if openvino:
+                ov = _measure(
+                    paths["unfused"], tokens, args.threads, args.runs, args.mem_limit_gb, "openvino"
+                )
+                row += [_ms(ov), _ratio(base, ov)]
+            print("| " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     onnx-moe-fuse IN.onnx -o OUT.onnx [--verify [--seeds 0,1,2]] [--report REPORT.json]
                   [--only QMoE,MoE] [--target ort-cpu|ort-cuda|ort-webgpu] [--explain | --quiet]
-                  [--debug]
+                  [--quantize int4|int8 [--block-size N]] [--accuracy-level N] [--debug]
     onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--seeds 0,1,2] [--explain]
     onnx-moe-fuse --self-check [--seed N] | --list-adapters | --version
 
@@ -16,7 +16,8 @@ SIGTERM, 129 SIGHUP: the run unwinds as for an error, removing the files it had 
 
 Everything that can be checked before work starts is checked first, in this order: the options
 (each single-value option given once, :class:`_Once`; no option that this command would ignore,
-:func:`check_combination`; ``--seeds``, ``--only``, ``--target``), the output paths (a
+:func:`check_combination`; ``--seeds``, ``--only``, ``--target``, ``--quantize``/``--block-size``,
+``--accuracy-level``), the output paths (a
 folder-like ``-o dir/`` is refused; :func:`onnx_moe_fuse.io.output_paths.check_output_paths`:
 none may be the input, its data or another output; their folders must exist and take files),
 the input model (:func:`onnx_moe_fuse.io.model_io.load_model` validates it), the WebGPU
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import signal
 import sys
@@ -45,67 +44,16 @@ from onnx_moe_fuse.cli_options import (
     parse_only,
     parse_seeds,
 )
+from onnx_moe_fuse.cli_summary import print_fusions, print_near_misses, write_json_atomic
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
-from onnx_moe_fuse.io.output_paths import one_line, write_text_atomic
+from onnx_moe_fuse.io.output_paths import one_line
 
 if TYPE_CHECKING:
     from onnx_moe_fuse.progress import Progress
+    from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ADAPTER, EXIT_INTERNAL = 0, 1, 2, 3, 4
-
-# -- output ---------------------------------------------------------------------------------------
-
-
-def _json_safe(value: Any) -> Any:
-    """Non-finite floats become strings ("inf"), so the report is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
-    """Write ``data`` as strict JSON to ``path`` atomically (mode 0666 less the umask)."""
-    write_text_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
-
-
-def _print_fusions(report: dict[str, Any], target: Target, explain: bool = False) -> None:
-    fusions = report["fusions"]
-    if not fusions:
-        print("nothing fused")
-    for f in fusions:
-        dtype = f" ({f['dtype']})" if f.get("dtype") not in (None, "float32") else ""
-        print(f"fused {f['op']}{dtype} {f.get('name') or ''}: replaced {len(f['replaced'])} nodes")
-        routing = f.get("routing")
-        if explain and routing:
-            rescale = ", the output rescaled per token" if routing["rescaled"] else ""
-            print(
-                f"  routing: {routing['construction']} construction{rescale}; the router "
-                f"({routing['router']}: {routing['router_description']}) stays in the graph"
-            )
-            if routing.get("why"):
-                print(f"  ({routing['why']})")
-    default = " (the default; --target picks another runtime)"
-    print(f"target {target.name}{default if target.name == DEFAULT_TARGET else ''}")
-
-
-def _print_near_misses(report: dict[str, Any]) -> None:
-    misses = report["near_misses"]
-    if not misses:
-        print("no near misses")
-    for m in misses:
-        where = m.get("topk") or m.get("root") or "?"
-        part = m.get("part")
-        about = m.get("node")
-        head = f"{part.upper() if part in ('fc1', 'fc2') else part}" if part else None
-        detail = f"{head} ({about}): " if head and about else (f"{head}: " if head else "")
-        print(f"near miss at {where}: {detail}{m['reason']}")
-    for line in report.get("canonicalisation", []):
-        print(f"note: {line}")
 
 
 def _error(message: str, code: int) -> int:
@@ -166,6 +114,7 @@ def _needs_adapter() -> int | str:
 def _fuse_command(args: argparse.Namespace) -> int:
     from onnx_moe_fuse import api
     from onnx_moe_fuse.io.model_io import load_model, save_model_atomic
+    from onnx_moe_fuse.pipeline.quantized_layers import check_accuracy_level
     from onnx_moe_fuse.progress import Progress
 
     progress = Progress(quiet=args.quiet)
@@ -173,6 +122,14 @@ def _fuse_command(args: argparse.Namespace) -> int:
     seeds = parse_seeds("0,1,2" if args.seeds is None else args.seeds)
     only = parse_only(args.only)
     target = api.check_target(args.target or DEFAULT_TARGET)  # parsed once, handed down as it is
+    quantization = api.check_quantization(
+        args.quantize,
+        args.block_size,
+        target,
+        None if only is None else frozenset(only),
+        option="--quantize",
+    )
+    check_accuracy_level(args.accuracy_level, target)
     if args.demo:
         input_path = None
     else:
@@ -185,7 +142,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
         input_path = Path(args.input)
     _check_paths(args, input_path)
     if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
-        return _fuse_streaming(args, input_path, only, target, progress)
+        return _fuse_streaming(args, input_path, only, target, progress, quantization)
     if args.demo:
         from onnx_moe_fuse.samples import default_sample
 
@@ -201,24 +158,38 @@ def _fuse_command(args: argparse.Namespace) -> int:
         if isinstance(adapter, int):
             return adapter
 
-    result = api.fuse(original, only=only, target=target, progress=progress)
+    result = api.fuse(
+        original,
+        only=only,
+        target=target,
+        progress=progress,
+        quantize=args.quantize,
+        block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
+    )
     report: dict[str, Any] = {
         "input": str(input_path) if input_path else "demo sample",
         "output": args.output,
         "target": target.name,
         **result.report.to_dict(),
     }
-    _print_fusions(report, target, args.explain)
+    print_fusions(report, target, args.explain)
     if args.explain:
-        _print_near_misses(report)
+        print_near_misses(report)
 
     ok = True
     if args.verify or args.demo:
         from onnx_moe_fuse.verify.checker import verify
+        from onnx_moe_fuse.verify.quant_error import verify_tolerance
 
         if result.fused:
             with progress.stage("verify"):
-                verification = verify(original, result.model, seeds=seeds)
+                verification = verify(
+                    original,
+                    result.model,
+                    seeds=seeds,
+                    quantization=verify_tolerance(result.report.fusions),
+                )
                 progress.detail = "passed" if verification.passed else "FAILED"
             report["verification"] = verification.to_dict()
             print(verification.summary())
@@ -252,20 +223,29 @@ def _fuse_streaming(
     only: set[str] | None,
     target: Target,
     progress: Progress,
+    quantization: Quantization | None = None,
 ) -> int:
     """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
     from onnx_moe_fuse.streaming_io import fuse_file
 
-    result = fuse_file(input_path, args.output, only=only, target=target, progress=progress)
+    result = fuse_file(
+        input_path,
+        args.output,
+        only=only,
+        target=target,
+        progress=progress,
+        quantize=quantization,
+        accuracy_level=args.accuracy_level,
+    )
     report: dict[str, Any] = {
         "input": str(input_path),
         "output": args.output,
         "target": target.name,
         **result.report.to_dict(),
     }
-    _print_fusions(report, target, args.explain)
+    print_fusions(report, target, args.explain)
     if args.explain:
-        _print_near_misses(report)
+        print_near_misses(report)
     print("wrote " + ", ".join(str(p) for p in result.written))
     _warn_stale_data(args.output, result.written)
     if args.report:

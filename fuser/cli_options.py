@@ -86,6 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
         f"kernels for, with the attributes it accepts (default {DEFAULT_TARGET})",
     )
     parser.add_argument(
+        "--quantize",
+        action=_Once,
+        metavar="int4|int8",
+        help="opt-in, not exact: write float MoE layers as QMoE of their weights quantised "
+        "(symmetric, round to nearest, scale max|w|/qmax per block); the report gives each "
+        "layer's measured error and --verify compares with the float original at that tolerance",
+    )
+    parser.add_argument(
+        "--block-size",
+        action=_Once,
+        type=int,
+        metavar="N",
+        help="--quantize's block along K: a power of two >= 16 dividing every layer's H and I, "
+        "or 0 for per-channel scales (default 32 for int4, 0 for int8)",
+    )
+    parser.add_argument(
+        "--accuracy-level",
+        action=_Once,
+        type=int,
+        metavar="N",
+        help="QMoE's accuracy_level (0-4) on every QMoE node, for targets that take it "
+        "(ort-cpu); 4 computes with int8 activations (not exact)",
+    )
+    parser.add_argument(
         "--explain",
         action="store_true",
         help="list near misses: layers that looked like MoE and why they did not fuse",
@@ -198,6 +222,9 @@ def check_combination(args: argparse.Namespace) -> None:
         "--report": args.report,
         "--only": args.only,
         "--target": args.target,
+        "--quantize": args.quantize,
+        "--block-size": args.block_size,
+        "--accuracy-level": args.accuracy_level,
         "--seeds": args.seeds,
         "--verify": args.verify,
         "--explain": args.explain,

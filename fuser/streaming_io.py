@@ -72,6 +72,7 @@ from onnx_moe_fuse.io.weight_sink import ScratchFileSink
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.progress import Progress, fused_text
 from onnx_moe_fuse.rewrites.graph.weight_sink import in_memory
+from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 
 __all__ = ["StreamedFusion", "fuse_file"]
 
@@ -225,6 +226,8 @@ def fuse_file(
     only: Iterable[str] | None = None,
     target: Target | str | None = None,
     progress: Progress | None = None,
+    quantize: Quantization | None = None,
+    accuracy_level: int | None = None,
 ) -> StreamedFusion:
     """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
 
@@ -237,6 +240,9 @@ def fuse_file(
         progress: times and shows the stages ``load``, ``fuse``, ``save``
             (:class:`onnx_moe_fuse.progress.Progress`; default silent); the report's ``run``
             section has their times either way.
+        quantize: opt-in quantisation of float layers into QMoE (parsed by
+            :func:`onnx_moe_fuse.api.check_quantization`); ``accuracy_level``: QMoE's, on every
+            QMoE node (see :func:`onnx_moe_fuse.fuse`).
 
     Raises:
         ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
@@ -272,7 +278,13 @@ def fuse_file(
         with progress.stage("fuse"):
             try:
                 fusion_pipeline(
-                    report, only, target=parsed, weight_sink=watched, observer=progress
+                    report,
+                    only,
+                    target=parsed,
+                    weight_sink=watched,
+                    observer=progress,
+                    quantize=quantize,
+                    accuracy_level=accuracy_level,
                 )(model)
             except Exception as exc:  # onnx-ir's PassError wraps the scratch file's full disk
                 found = user_error_in(exc)

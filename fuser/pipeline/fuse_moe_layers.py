@@ -27,6 +27,11 @@ from onnx_moe_fuse.pipeline.near_misses import (
     dense_near_miss,
     unrecognised,
 )
+from onnx_moe_fuse.pipeline.quantized_layers import (
+    check_block_sizes,
+    quantization_record,
+    set_accuracy_level,
+)
 from onnx_moe_fuse.pipeline.report import FusionReport
 from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_origin
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
@@ -38,6 +43,7 @@ from onnx_moe_fuse.rewrites.moe.layer_rules import (
     REPLACED_KEY,
     moe_layer_rule_set,
 )
+from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 from onnx_moe_fuse.rewrites.moe.routers import classify_router
 from onnx_moe_fuse.rewrites.moe.rule_base import (
     CAST_KEY,
@@ -191,6 +197,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
     attribute set (:meth:`~onnx_moe_fuse.contract.targets.Target.node_attributes`) before it is
     spliced. The fusions and near misses are appended to ``report`` (a :class:`FusionReport`,
     shared with the caller).
+
+    ``quantize``/``accuracy_level`` (opt-in): :mod:`.quantized_layers` (float layers as QMoE of
+    quantised weights, measured; ``accuracy_level`` on every QMoE node).
     """
 
     def __init__(
@@ -200,12 +209,16 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         target: Target = DEFAULT,
         weight_sink: WeightSink | None = None,
         observer: LayerObserver | None = None,
+        quantize: Quantization | None = None,
+        accuracy_level: int | None = None,
     ):
         """Set up the pass; ``report`` receives what it did, ``weight_sink`` the weights.
 
         ``observer`` (a :class:`LayerObserver`) is told of each candidate layer as it is done.
         """
         super().__init__()
+        self.quantize = quantize
+        self.accuracy_level = accuracy_level
         self.weight_sink = weight_sink
         self.observer = observer
         self.emit = emitted(only) & FUSED_OPS
@@ -231,11 +244,16 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         if self.observer is not None:
             self.observer.layers_found(len(candidates))
         tracer = NearMissTracer(refusals)
-        moe_layer_rule_set(self.emit, probe=True, splice=True, target=self.target).apply_to_model(
-            work, tracer=tracer
-        )
+        moe_layer_rule_set(
+            self.emit, probe=True, splice=True, target=self.target, quantize=self.quantize
+        ).apply_to_model(work, tracer=tracer)
+        check_block_sizes(tracer)  # a user's block size that does not fit: before any rewrite
         rules = moe_layer_rule_set(
-            self.emit, splice=True, weight_sink=self.weight_sink, target=self.target
+            self.emit,
+            splice=True,
+            weight_sink=self.weight_sink,
+            target=self.target,
+            quantize=self.quantize,
         )
         rules.apply_to_model(work)
 
@@ -263,6 +281,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 )
                 continue
             apply_target_attributes(node, self.target)
+            set_accuracy_level(node, self.accuracy_level)
             # the proved output (the rescale after the node, where the routing construction
             # has one, and the cast to a float32 combine's type), or a Reshape after it that the original has (a split moved out)
             end = _end_of(node)
@@ -298,6 +317,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             routing = _routing_record(node, work.graph)
             if routing is not None:
                 fusion["routing"] = routing
+            quantization = quantization_record(result.node)
+            if quantization is not None:
+                fusion["quantization"] = quantization
             self.report.fusions.append(fusion)
             for key in (REPLACED_KEY, LAYER_OUT_KEY, TOPK_KEY, ROUTING_KEY, RESCALED_KEY, CAST_KEY):
                 result.node.metadata_props.pop(key, None)

@@ -49,6 +49,10 @@ class FusionReport:
     ``target``: the runtime the fused nodes were written for (one of
     :data:`onnx_moe_fuse.contract.targets.TARGETS`); a layer whose fused op that runtime
     lacks is a near miss of part ``target``.
+    ``quantization``: what ``--quantize`` / ``--accuracy-level`` asked for (``quantize``,
+    ``block_size``, ``scheme``, ``accuracy_level``), None when neither was given; each fusion of
+    a float layer quantised on request has its own ``quantization`` entry (the scheme and the
+    measured error against the float layer).
     ``run``: how the run went, filled by the fronts (:mod:`onnx_moe_fuse.progress`): the tool's
     and its libraries' versions, each stage's wall time, the peak memory (empty when the
     pipeline was run directly).
@@ -58,6 +62,7 @@ class FusionReport:
     near_misses: list[dict[str, Any]] = field(default_factory=list)
     canonicalisation: list[str] = field(default_factory=list)
     target: str = ort_contract.DEFAULT_TARGET
+    quantization: dict[str, Any] | None = None
     run: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

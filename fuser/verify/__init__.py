@@ -9,6 +9,8 @@
 * :mod:`.evaluator`: the fused model on the project's WebGPU kernels (``onnx_moe_fuse.kernels``;
   how each op maps onto its package in :mod:`.kernel_specs`);
 * :mod:`.ort_nodes`: single ONNX Runtime nodes as references;
+* :mod:`.quant_error`: the measured error of layers quantised on request (``--quantize``) and
+  the tolerance :func:`verify` takes for them (:func:`verify_tolerance`);
 * :mod:`.selfcheck`: every kernel package's ``test.json`` cases on this machine's adapter;
 * :mod:`.oracles`: plain numpy implementations of the ops, written apart from the kernels.
 
@@ -37,6 +39,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "ort_inexact_reasons",
             "ort_unsupported_reason",
             "verify",
-        ]
+        ],
+        "quant_error": ["QuantizedTolerance", "measure_quantization_error", "verify_tolerance"],
     },
 )

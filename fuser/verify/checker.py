@@ -23,7 +23,10 @@ max_abs / max|reference|`` (over the whole output, so one tiny reference element
 dominate). An output passes when ``max_abs <= max(rtol * max|reference|, atol)``: ``atol`` is an
 absolute floor for outputs that are (nearly) all zeros. Defaults by the reference output's dtype
 (:data:`DEFAULT_TOLERANCES`): float32/float64 ``rtol 1e-4, atol 1e-6``; float16 ``1e-2, 1e-3``;
-bfloat16 ``5e-2, 1e-2``; integer and bool outputs must match exactly. On the ORT path, a model
+bfloat16 ``5e-2, 1e-2``; integer and bool outputs must match exactly. A model whose layers
+were quantised on request (``--quantize``) is not exact: ``quantization`` (from
+:func:`onnx_moe_fuse.verify.quant_error.verify_tolerance`) raises ``rtol`` to what the layers'
+measured errors allow, and the paths' notes say so. On the ORT path, a model
 with block-wise 8-bit QMoE (or QMoE/MatMulNBits with ``accuracy_level=4``) gets ``rtol``
 :data:`ORT_INT8_ACTIVATION_RTOL`: ORT quantises activations to int8 there (measured 1-2%
 relative error); the report says so. A caller's ``rtol``/``atol`` replace these defaults on every
@@ -67,6 +70,7 @@ from onnx_moe_fuse.verify.ort_path import (
     ort_unsupported_reason,
     prepare_ort,
 )
+from onnx_moe_fuse.verify.quant_error import QuantizedTolerance
 from onnx_moe_fuse.verify.reference import (
     DEFAULT_DIM_VALUES,
     FeedTooLargeError,
@@ -137,6 +141,7 @@ def verify(
     rtol: float | None = None,
     atol: float | None = None,
     paths: Sequence[str] = PATHS,
+    quantization: QuantizedTolerance | None = None,
 ) -> VerificationReport:
     """Check that ``fused`` computes what ``original`` computes, on random inputs.
 
@@ -151,6 +156,11 @@ def verify(
             and path (see the module docstring).
         atol: absolute floor; None picks it by dtype.
         paths: evaluation paths of the fused model, from :data:`PATHS`.
+        quantization: for a fused model with layers quantised on request (``--quantize``):
+            the tolerance their measured errors allow
+            (:func:`onnx_moe_fuse.verify.quant_error.verify_tolerance` of the fusion report),
+            used instead of the exact default on every path and named in each path's
+            ``tolerance_notes``.
 
     Returns:
         A :class:`VerificationReport`; ``passed`` is False, with messages naming the path,
@@ -245,6 +255,7 @@ def verify(
                 atol,
                 inexact if path == "ort" else [],
                 messages,
+                quantization,
             )
 
     for result in results.values():

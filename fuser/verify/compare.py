@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
+from onnx_moe_fuse.verify.quant_error import QuantizedTolerance
 from onnx_moe_fuse.verify.report import OutputResult, PathResult, SeedError
 
 __all__ = ["DEFAULT_TOLERANCES", "ORT_INT8_ACTIVATION_RTOL", "compare_outputs"]
@@ -58,8 +59,13 @@ def _tolerance(
     rtol: float | None,
     atol: float | None,
     inexact: Sequence[str],
+    quantized: QuantizedTolerance | None = None,
 ) -> tuple[float, float, str | None]:
-    """``(rtol, atol, note)`` for one output on one path."""
+    """``(rtol, atol, note)`` for one output on one path.
+
+    ``quantized``: the model has layers quantised on request; their tolerance replaces the
+    exact default, and ORT's int8 activations (``inexact``) add theirs on the ORT path.
+    """
     if dtype not in _FLOAT_DTYPES:
         return 0.0, 0.0, None  # integers and booleans: exact
     d_rtol, d_atol = DEFAULT_TOLERANCES.get(dtype.name, DEFAULT_TOLERANCES["float32"])
@@ -69,7 +75,16 @@ def _tolerance(
             f"{dtype.name} output: rtol {d_rtol:g}, atol {d_atol:g} (the reference rounds once "
             "from float64; runtimes round intermediates to the narrow type)"
         )
-    if path == "ort" and inexact and d_rtol < ORT_INT8_ACTIVATION_RTOL:
+    if quantized is not None:
+        d_rtol = max(d_rtol, quantized.rtol)
+        note = quantized.note
+        if path == "ort" and inexact:  # int8 activations on top of the quantised weights
+            d_rtol += ORT_INT8_ACTIVATION_RTOL
+            note += (
+                f"; plus {ORT_INT8_ACTIVATION_RTOL:g} on the ORT path (rtol {d_rtol:.3g}): "
+                + "; ".join(inexact)
+            )
+    elif path == "ort" and inexact and d_rtol < ORT_INT8_ACTIVATION_RTOL:
         d_rtol = ORT_INT8_ACTIVATION_RTOL
         note = f"rtol loosened to {d_rtol:g} on the ORT path: " + "; ".join(inexact)
     if rtol is not None or atol is not None:
@@ -89,6 +104,7 @@ def compare_outputs(
     atol: float | None,
     inexact: Sequence[str],
     messages: list[str],
+    quantized: QuantizedTolerance | None = None,
 ) -> None:
     """Compare one seed's outputs ``got`` of a path with the ``reference``; record in ``result``.
 
@@ -98,7 +114,7 @@ def compare_outputs(
         expected = np.asarray(expected)
         out = result.outputs.get(name)
         if out is None:
-            r, a, note = _tolerance(expected.dtype, result.path, rtol, atol, inexact)
+            r, a, note = _tolerance(expected.dtype, result.path, rtol, atol, inexact, quantized)
             out = result.outputs[name] = OutputResult(name, expected.dtype.name, r, a)
             if note and note not in result.tolerance_notes:
                 result.tolerance_notes.append(note)

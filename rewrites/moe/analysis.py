@@ -22,8 +22,8 @@ Steps, in order (the first failing one gives the reason):
    constant biases, consistent sizes ``E, H, I``;
 5. activation: relu / tanh gelu / silu / identity / SwiGLU (gate and linear column selections,
    clamp limit, alpha, beta); exact (Erf) GELU is refused;
-6. target: MoE for float weights, QMoE for quantized ones (renormalised routing), within the
-   requested ops;
+6. target: MoE for float weights, QMoE for quantized ones (renormalised routing), or for float
+   ones quantised on request (:mod:`.quantize`), within the requested ops;
 7. escapes (a rule used alone): the router probabilities and the dequantized weights are used by
    the recognised layer only.
 
@@ -63,6 +63,7 @@ from onnx_moe_fuse.rewrites.moe.plan import (
     LayerPlan,
     bound_node,
 )
+from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 from onnx_moe_fuse.rewrites.moe.routing_checks import (
     router_rows,
     router_scores_stay_inside,
@@ -118,6 +119,7 @@ def analyse_layer(
     emit: frozenset[str],
     matched: Collection[ir.Node] | None = None,
     opset: int | None = None,
+    quantize: Quantization | None = None,
 ) -> LayerPlan:
     """Prove that the matched layer equals one fused node; raise :class:`Refusal` otherwise.
 
@@ -125,7 +127,8 @@ def analyse_layer(
     ``"fused_gated"`` (one FC1 cut into gate/up) or ``"elementwise"``; ``combine`` is
     ``"reduce_sum"``, ``"matmul_squeeze"`` or ``"matmul_reshape"``; ``emit`` the ops allowed;
     ``matched`` the nodes the pattern matched (for the escape check of the dequantized weights;
-    None skips it, as ``rewrite`` does once ``check`` has passed).
+    None skips it, as ``rewrite`` does once ``check`` has passed); ``quantize`` the opt-in
+    quantisation of a float layer into QMoE (:mod:`.quantize`; None: float layers become MoE).
 
     This is the per-slot form (projections ``[*, k, N]``); the flattened-rows form of
     torch.onnx ``batched_mm`` exports is :func:`.rows_analysis.analyse_rows_layer`. Both
@@ -158,6 +161,7 @@ def analyse_layer(
         fc1=fc1,
         fc2=fc2,
         fc1_last_axis=r,
+        quantize=quantize,
     )
 
 
@@ -172,6 +176,7 @@ def finish_layer(
     fc1: tuple[ExpertWeights, ...],
     fc2: ExpertWeights,
     fc1_last_axis: int,
+    quantize: Quantization | None = None,
 ) -> LayerPlan:
     """Steps 4 (sizes) to 7 of a layer whose routing and projections are proved.
 
@@ -200,7 +205,9 @@ def finish_layer(
     with part("activation"):
         activation, columns, (alpha, beta, limit) = _activation(b, family, fc1, fc2, fc1_last_axis)
     with part("target"):
-        op, bits, block, dtype = _target(b, routing, activation, fc1, fc2, emit, hidden, inter)
+        op, bits, block, dtype = _target(
+            b, routing, activation, fc1, fc2, emit, hidden, inter, quantize
+        )
     if op == "QMoE" and routing.normalize != 1 and not routing.selected:
         # QMoE always renormalises its own softmax: weights used as they are go in as the
         # selection and its weights (router_weights, or log-weights and a rescale)
@@ -315,13 +322,15 @@ def _target(
     emit: frozenset[str],
     hidden: int,
     inter: int,
+    quantize: Quantization | None = None,
 ) -> tuple[str, int, int, ir.DataType]:
     """The fused op (MoE for float weights, QMoE for quantized), its bits, block size, dtype.
 
     The dtype is the experts' (their weights' and the tokens'): the fused node computes in it.
     Which targets have a kernel for the (op, dtype) pair is the pipeline's question
     (``contract.targets``); the routing of a layer that does not compute in float32 is fed as
-    its selection and weights (:func:`finish_layer`).
+    its selection and weights (:func:`finish_layer`). With ``quantize`` a float layer becomes
+    QMoE of its weights quantised at emission (:mod:`.quantize`).
     """
     tokens: ir.Value = b["tokens"]
     dtypes = {w.dtype for w in (*fc1, fc2)}
@@ -350,8 +359,11 @@ def _target(
         )
     op = "QMoE" if quant == {True} else "MoE"
     bits = block = 0
-    if op == "QMoE":
+    if op == "MoE" and quantize is not None:  # opt-in: the float weights quantised at emission
+        op, bits, block = "QMoE", quantize.bits, quantize.layer_block(hidden, inter, fc2.value)
+    elif op == "QMoE":
         bits, block = granularity(fc1, fc2, hidden, inter)
+    if op == "QMoE":
         if activation not in QMOE_ACTIVATIONS:
             raise Refusal(
                 f"QMoE cannot run activation {activation}",

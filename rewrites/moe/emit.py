@@ -13,6 +13,10 @@ With asymmetric zero points (``LayerPlan.zero_points``) both projections get zer
 :func:`~onnx_moe_fuse.contract.packing.pack_qmoe_zero_points`: ``[E, N / pack]`` column-wise,
 ``[E, N, blocks / pack]`` block-wise.
 
+A float layer quantised on request (``LayerPlan.from_float``, :mod:`.quantize`) is first
+repacked as for MoE (:func:`float_arrays`), then its two weight arrays are quantised there
+(:func:`quantize_arrays`): symmetric, no zero-point inputs.
+
 ``N1`` is ``I``, or ``2 I`` for SwiGLU, whose rows are always interleaved (row ``2j`` the gate,
 ``2j + 1`` the linear operand: ``swiglu_fusion=1``), whatever the source spelling was: separate
 gate/up experts, one FC1 cut in halves, or strided slices. ``LayerPlan.fc1_columns`` names, for
@@ -27,8 +31,9 @@ import numpy as np
 
 from onnx_moe_fuse.contract.packing import pack_qmoe, pack_qmoe_zero_points, zero_point
 from onnx_moe_fuse.rewrites.moe.analysis import ExpertWeights, LayerPlan
+from onnx_moe_fuse.rewrites.moe.quantize import quantize_weights
 
-__all__ = ["FusedArrays", "fused_arrays"]
+__all__ = ["FusedArrays", "float_arrays", "fused_arrays", "quantize_arrays"]
 
 
 @dataclass(frozen=True)
@@ -101,17 +106,38 @@ def _output_major_zero_points(zp: np.ndarray, bits: int, block: int) -> np.ndarr
     return pack_qmoe_zero_points(np.ascontiguousarray(zp.transpose(0, 2, 1)), bits, bool(block))
 
 
+def float_arrays(plan: LayerPlan) -> FusedArrays:
+    """MoE's weights and biases from a plan of float weights (output-major)."""
+    cols = plan.fc1_columns
+    bias1 = _concat_bias(plan.fc1)
+    bias1 = None if bias1 is None else np.ascontiguousarray(bias1[:, cols])
+    w1 = np.concatenate([p.array for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
+    w1 = np.ascontiguousarray(w1.transpose(0, 2, 1))
+    w2 = np.ascontiguousarray(plan.fc2.array.transpose(0, 2, 1))  # type: ignore[union-attr]
+    return FusedArrays(w1, None, bias1, w2, None, plan.fc2.bias)
+
+
+def quantize_arrays(floats: FusedArrays, bits: int, block: int) -> FusedArrays:
+    """QMoE's inputs from MoE's: both weights quantised (:func:`.quantize.quantize_weights`).
+
+    The scales take the weights' float type (QMoE's scales are the activations' type); the
+    biases stay as they are.
+    """
+    w1, s1 = quantize_weights(floats.fc1, bits, block, floats.fc1.dtype)
+    w2, s2 = quantize_weights(floats.fc2, bits, block, floats.fc2.dtype)
+    return FusedArrays(w1, s1, floats.fc1_bias, w2, s2, floats.fc2_bias)
+
+
 def fused_arrays(plan: LayerPlan) -> FusedArrays:
     """Build the fused node's weights, scales and biases from ``plan``."""
+    if not plan.quantized:
+        return float_arrays(plan)
+    if plan.from_float:
+        return quantize_arrays(float_arrays(plan), plan.bits, plan.block)
     cols = plan.fc1_columns
     bias1 = _concat_bias(plan.fc1)
     bias1 = None if bias1 is None else np.ascontiguousarray(bias1[:, cols])
     bias2 = plan.fc2.bias
-    if not plan.quantized:
-        w1 = np.concatenate([p.array for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
-        w1 = np.ascontiguousarray(w1.transpose(0, 2, 1))
-        w2 = np.ascontiguousarray(plan.fc2.array.transpose(0, 2, 1))  # type: ignore[union-attr]
-        return FusedArrays(w1, None, bias1, w2, None, bias2)
     codes1 = np.concatenate([p.codes for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
     scales1 = np.concatenate([p.scales for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
     w1, s1 = _output_major_quant(codes1, scales1, plan.bits, plan.block)

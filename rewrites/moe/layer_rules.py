@@ -43,6 +43,7 @@ from onnx_moe_fuse.contract.targets import DEFAULT, Target
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.batched_rules import BATCHED_RULE_CLASSES
 from onnx_moe_fuse.rewrites.moe.parts.combine import SLOT_COMBINES
+from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 from onnx_moe_fuse.rewrites.moe.rule_base import FUSED_OPS, REPLACED_KEY, MoELayerRule
 
 __all__ = [
@@ -102,10 +103,12 @@ def moe_layer_rules(
     splice: bool = False,
     weight_sink: WeightSink | None = None,
     target: Target | str = DEFAULT,
+    quantize: Quantization | None = None,
 ) -> list[pattern.RewriteRule]:
     """Every layer rule (each class x each of its combine forms), emitting only ``emit``.
 
-    ``probe``, ``splice``, ``weight_sink`` and ``target``: see :class:`.rule_base.MoELayerRule`.
+    ``probe``, ``splice``, ``weight_sink``, ``target`` and ``quantize``: see
+    :class:`.rule_base.MoELayerRule`.
     """
     emit = frozenset(emit)
     return [
@@ -116,6 +119,7 @@ def moe_layer_rules(
             splice=splice,
             weight_sink=weight_sink,
             target=target,
+            quantize=quantize,
         )
         for cls in RULE_CLASSES
         for c in cls.combines
@@ -129,6 +133,7 @@ def moe_layer_rule_set(
     splice: bool = False,
     weight_sink: WeightSink | None = None,
     target: Target | str = DEFAULT,
+    quantize: Quantization | None = None,
 ) -> pattern.RewriteRuleSet:
     """A rule set of :func:`moe_layer_rules`.
 
@@ -136,7 +141,7 @@ def moe_layer_rule_set(
     does, the pipeline sweeps the original graph after splicing.
     """
     rules = moe_layer_rules(
-        emit, probe=probe, splice=splice, weight_sink=weight_sink, target=target
+        emit, probe=probe, splice=splice, weight_sink=weight_sink, target=target, quantize=quantize
     )
     rule_set = pattern.RewriteRuleSet(rules)
     rule_set.remove_unused_nodes = not splice

@@ -141,6 +141,11 @@ class LayerPlan:
         """True when the layer becomes a QMoE."""
         return self.op == "QMoE"
 
+    @property
+    def from_float(self) -> bool:
+        """True for a float layer quantised on request (``--quantize``): QMoE of float weights."""
+        return self.quantized and not self.fc2.quantized
+
     def attributes(self) -> dict[str, Any]:
         """Every attribute of the emitted node, written explicitly."""
         swiglu = self.activation == "swiglu"

@@ -58,6 +58,7 @@ from onnx_moe_fuse.rewrites.moe.analysis import (
     routing_form,
     with_bias,
 )
+from onnx_moe_fuse.rewrites.moe.quantize import Quantization
 from onnx_moe_fuse.rewrites.moe.selected_weights import same_indices
 
 __all__ = ["analyse_rows_layer"]
@@ -294,6 +295,7 @@ def analyse_rows_layer(
     matched: Collection[ir.Node] | None = None,
     opset: int | None = None,
     combine: str = "reshape_reduce_sum",
+    quantize: Quantization | None = None,
 ) -> LayerPlan:
     """Prove that a recognised flattened-rows layer equals one fused node; raise otherwise.
 
@@ -342,4 +344,5 @@ def analyse_rows_layer(
         fc1=fc1,
         fc2=fc2,
         fc1_last_axis=1,
+        quantize=quantize,
     )

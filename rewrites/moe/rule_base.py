@@ -36,12 +36,13 @@ from onnx_moe_fuse.rewrites.graph.facts import default_opset
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink, in_memory
 from onnx_moe_fuse.rewrites.moe.analysis import LayerPlan, analyse_layer
-from onnx_moe_fuse.rewrites.moe.emit import fused_arrays
+from onnx_moe_fuse.rewrites.moe.emit import float_arrays, fused_arrays, quantize_arrays
 from onnx_moe_fuse.rewrites.moe.parts.activation import FAMILIES
 from onnx_moe_fuse.rewrites.moe.parts.combine import combine_pattern
 from onnx_moe_fuse.rewrites.moe.parts.facts import LayerParts
 from onnx_moe_fuse.rewrites.moe.parts.layer import escaping_value, recognise_layer
 from onnx_moe_fuse.rewrites.moe.parts.routing import routing_pattern
+from onnx_moe_fuse.rewrites.moe.quantize import SCHEME, Quantization
 from onnx_moe_fuse.rewrites.moe.routing_construction import build_routing, construction_for
 from onnx_moe_fuse.rewrites.moe.rows_analysis import analyse_rows_layer
 
@@ -50,6 +51,7 @@ __all__ = [
     "FUSED_OPS",
     "MS_DOMAIN",
     "LAYER_OUT_KEY",
+    "QUANTIZATION_KEY",
     "REPLACED_KEY",
     "TOPK_KEY",
     "MoELayerRule",
@@ -72,6 +74,8 @@ RESCALED_KEY = "onnx_moe_fuse.rescaled"
 #: Node metadata key: a ``Cast`` after the fused node (after its rescale, if any) gives its
 #: output the type of the value it replaces (a float16 layer whose combine sums in float32).
 CAST_KEY = "onnx_moe_fuse.cast"
+#: Node metadata key: a float layer quantised on request, with its measured error (JSON).
+QUANTIZATION_KEY = "onnx_moe_fuse.quantization"
 
 
 def var(name: str, optional: bool = False) -> pattern.Var:
@@ -120,20 +124,24 @@ def prove_layer(
     combine: str,
     emit: frozenset[str],
     standalone: bool,
+    quantize: Quantization | None = None,
 ) -> LayerPlan:
     """Prove the recognised ``parts`` one fused node; raise the first part's failure otherwise.
 
     ``standalone``: the rule runs alone (not in the pipeline's splice), so nothing the fused
     node replaces may be used outside the layer (the splice proves its region itself).
+    ``quantize``: float layers become QMoE of quantised weights (:mod:`.quantize`).
     """
     b = parts.bindings
     inside = parts.nodes if standalone else None
     if parts.layout == "rows":
         plan = analyse_rows_layer(
-            b, family=parts.family, emit=emit, matched=inside, combine=combine
+            b, family=parts.family, emit=emit, matched=inside, combine=combine, quantize=quantize
         )
     else:
-        plan = analyse_layer(b, family=parts.family, combine=combine, emit=emit, matched=inside)
+        plan = analyse_layer(
+            b, family=parts.family, combine=combine, emit=emit, matched=inside, quantize=quantize
+        )
     if standalone:
         escape = escaping_value(parts, parts.nodes)
         if escape is not None:
@@ -161,6 +169,7 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         splice: bool = False,
         weight_sink: WeightSink | None = None,
         target: Target | str = DEFAULT,
+        quantize: Quantization | None = None,
     ) -> None:
         """Configure the rule: which combine form it anchors at, which ops it may emit.
 
@@ -180,6 +189,8 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         ``weight_sink`` stores each repacked array as an initializer's tensor
         (:mod:`.weight_sink`; default in memory). ``target`` picks the routing construction
         of a layer fed as its selection and weights (:func:`.routing_construction.construction_for`).
+        ``quantize`` (opt-in) makes float layers QMoE of quantised weights, measured by its
+        ``error_meter`` at the rewrite (:mod:`.quantize`).
         """
         combine = self.combines[0] if combine is None else combine
         if combine not in self.combines:
@@ -195,6 +206,7 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         self._splice = splice
         self._weight_sink = in_memory if weight_sink is None else weight_sink
         self._target = as_target(target)
+        self._quantize = quantize
 
     def pattern(self, op):
         """The combine form of this rule, weighted by any weights (``check`` finds the TopK)."""
@@ -206,7 +218,11 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         parts = recognise_layer(root, self._combine_form, FAMILIES)
         try:
             plan = prove_layer(
-                parts, combine=self._combine_form, emit=self._emit, standalone=not self._splice
+                parts,
+                combine=self._combine_form,
+                emit=self._emit,
+                standalone=not self._splice,
+                quantize=self._quantize,
             )
         except Refusal as refusal:
             if refusal.topk is None:  # the layer's TopK, for the near miss
@@ -238,7 +254,13 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
         if self._probe:
             return op.Identity(bindings["expert_out"])
         plan = self._plan(bindings)
-        arrays = fused_arrays(plan)
+        quantization = None
+        if plan.from_float:
+            floats = float_arrays(plan)
+            arrays = quantize_arrays(floats, plan.bits, plan.block)
+            quantization = self._measure(plan, floats.by_input(), arrays.by_input())
+        else:
+            arrays = fused_arrays(plan)
         graph = plan.root.graph
         base = re.sub(
             r"[^A-Za-z0-9_.]+", "_", plan.topk.name or plan.topk.outputs[0].name or "layer"
@@ -306,8 +328,29 @@ class MoELayerRule(pattern.RewriteRuleClassBase):
             if routing.scale is not None:
                 meta[RESCALED_KEY] = "1"
         meta[REPLACED_KEY] = json.dumps(replaced)
+        if quantization is not None:
+            meta[QUANTIZATION_KEY] = json.dumps(quantization)
         # for the pipeline's splice: a splice rule keeps the matched nodes, so the rewriter
         # gives the fused output a fresh name; these name what it replaces and its router
         meta[LAYER_OUT_KEY] = plan.root.outputs[0].name or ""
         meta[TOPK_KEY] = plan.topk.outputs[0].name or ""
         return out
+
+    def _measure(
+        self, plan: LayerPlan, floats: dict[str, Any], quantized: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The record of a float layer quantised on request: scheme, and the measured error."""
+        assert self._quantize is not None
+        weights = str(plan.fc2.dtype.numpy())
+        record: dict[str, Any] = {
+            "from": f"{weights} weights",
+            "bits": plan.bits,
+            "block_size": plan.block,
+            "scheme": SCHEME,
+        }
+        meter = self._quantize.error_meter
+        if meter is None:
+            record["measured"] = None
+            return record
+        record.update(meter(floats, quantized, plan.attributes()))
+        return record

@@ -93,6 +93,21 @@ def test_onnxruntime_webgpu_refuses_the_cpu_attribute_set(tmp_path):
     assert "Unrecognized attribute" in error.partition("ORT: ")[2]  # ORT's own schema check
 
 
+def test_a_float_layer_quantised_for_webgpu_runs_in_onnxruntime_webgpu(tmp_path):
+    """--quantize int4 --target ort-webgpu: the QMoE node loads and computes its oracle there."""
+    _webgpu_python()
+    from onnx_moe_fuse import fuse
+
+    sample = next(s for s in FUSING if s.name == "mixtral_dec_f32")
+    fused = fuse(sample.model, quantize="int4", target="ort-webgpu").model
+    results = _webgpu_job(tmp_path, {"quantized": fused})
+    assert results["quantized"]["status"] == "ran", results
+    got = dict(np.load(tmp_path / "quantized.out.npz"))
+    want = run_reference(fused, dict(np.load(tmp_path / "quantized.in.npz")))  # the QMoE oracle
+    for out, ref in want.items():
+        assert np.max(np.abs(got[out] - ref)) <= 1e-4 * np.max(np.abs(ref)), out
+
+
 def _float16_qmoe_twins() -> dict[str, tuple[onnx.ModelProto, onnx.ModelProto]]:
     """Float16 twins of the hand-written SwiGLU QMoE layers: ``{name: (original, fused)}``.
 
