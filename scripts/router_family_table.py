@@ -26,7 +26,7 @@ import onnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "pipeline"))  # the suite's int4 quantiser
 
-from test_exported_models_fuse import quantized  # noqa: E402
+from export_edits import quantized  # noqa: E402
 
 from onnx_moe_fuse import fuse  # noqa: E402
 from onnx_moe_fuse.verify.ort_nodes import session  # noqa: E402

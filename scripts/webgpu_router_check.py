@@ -30,7 +30,7 @@ def prepare(folder: Path) -> None:
     import onnx
 
     sys.path.insert(0, str(ROOT / "tests" / "pipeline"))
-    from test_exported_models_fuse import quantized
+    from export_edits import quantized
 
     from onnx_moe_fuse import fuse
     from onnx_moe_fuse.verify.ort_nodes import session

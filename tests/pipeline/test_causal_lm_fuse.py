@@ -146,7 +146,7 @@ TOKEN_SHAPES = ((1, 1), (2, 7))
 
 
 def _int4_models() -> dict[str, onnx.ModelProto]:
-    from test_exported_models_fuse import quantized
+    from export_edits import quantized
 
     return {
         # half of them without value_info (a quantiser that rebuilds the graph drops it)
