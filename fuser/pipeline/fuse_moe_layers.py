@@ -35,6 +35,8 @@ from onnx_moe_fuse.pipeline.quantized_layers import (
 from onnx_moe_fuse.pipeline.report import FusionReport
 from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_origin
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import CanonicalMeaningPass
+from onnx_moe_fuse.rewrites.canonical.weights.fold_weight_layout import FoldWeightLayoutPass
 from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
 from onnx_moe_fuse.rewrites.graph.selection_rounds import same_topk, selection_round
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
@@ -256,6 +258,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             quantize=self.quantize,
         )
         rules.apply_to_model(work)
+        tracer = self._by_meaning(work, refusals, tracer, rules)
 
         spliced = 0
         fused_roots: set[str] = set()
@@ -333,6 +336,35 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             if tensor.name != name:
                 tensor.name = name
         return ir.passes.PassResult(model, modified=spliced > 0)
+
+    def _by_meaning(self, work, refusals, tracer, rules):
+        """The second round: layers no rule fused, recognised by what they compute.
+
+        :class:`CanonicalMeaningPass` rewrites the unfused layers whose meaning is the fused
+        op's contract into the per-slot form (the weight-layout pass then folds the layout ops
+        it puts on constants), and the rules run again there; its records of the layers it
+        left (the node whose meaning departs) join ``refusals``. The exporter forms fused in
+        the first round are not analysed again.
+        """
+        fused = {n.metadata_props.get(TOPK_KEY, "") for n in fused_nodes(work.graph)}
+        unfused = [
+            n.outputs[0].name
+            for n in work.graph
+            if n.op_type == "TopK" and n.outputs[0].name not in fused
+        ]
+        if not unfused:
+            return tracer
+        if not CanonicalMeaningPass(refusals, only=unfused)(work).modified:
+            return tracer
+        FoldWeightLayoutPass()(work)
+        second = NearMissTracer(refusals)
+        moe_layer_rule_set(
+            self.emit, probe=True, splice=True, target=self.target, quantize=self.quantize
+        ).apply_to_model(work, tracer=second)
+        check_block_sizes(second)
+        rules.apply_to_model(work)
+        second.attempts[:0] = tracer.attempts
+        return second
 
     def _near_misses(
         self,

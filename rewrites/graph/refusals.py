@@ -40,6 +40,7 @@ from onnx_moe_fuse.rewrites.graph.facts import label, value_label
 __all__ = [
     "DENSE_EXPERTS",
     "EXPERT_LOOP",
+    "MEANING",
     "PARTS",
     "REPORT_KEYS",
     "SORTED_EXPERTS",
@@ -72,6 +73,7 @@ PARTS = (
 DENSE_EXPERTS = "dense-experts"
 EXPERT_LOOP = "expert-loop"
 SORTED_EXPERTS = "sorted-experts"
+MEANING = "meaning"
 
 
 def source_label(item: ir.Node | ir.Value) -> str:

@@ -13,7 +13,6 @@ the layer rules' near misses name nodes and values the user's model has.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP
@@ -23,78 +22,19 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.stack import (
     stack_bias,
     stack_weights,
 )
+from onnx_moe_fuse.rewrites.canonical.experts.writer import GraphWriter
 
 __all__ = ["Emitter"]
 
 
-def _all_names(graph: ir.Graph) -> set[str]:
-    names = {v.name for v in graph.inputs if v.name}
-    names |= set(graph.initializers)
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        names |= {o.name for o in node.outputs if o.name}
-        if node.name:
-            names.add(node.name)
-    return names
-
-
-class Emitter:
+class Emitter(GraphWriter):
     """Rewrites one proved :class:`~.dense_experts.DenseLayer` of ``graph``."""
 
     def __init__(self, graph: ir.Graph, layer: DenseLayer) -> None:
         """Prepare to rewrite ``layer``; names are made unique against all of ``graph``."""
-        self.graph, self.layer = graph, layer
-        self.names = _all_names(graph)
         root = layer.combine.root
-        self.prefix = f"{root.name or root.outputs[0].name or 'moe'}_canonical"
-        self.new_nodes: list[ir.Node] = []
-        self.stands_for: list[tuple[ir.Node, ir.Node]] = []  # (new node, the old node it replaces)
-
-    # -- names and constants ------------------------------------------------------------------
-    def fresh(self, base: str) -> str:
-        """A name not used anywhere in the graph yet."""
-        name, n = f"{self.prefix}/{base}", 1
-        while name in self.names:
-            n += 1
-            name = f"{self.prefix}/{base}_{n}"
-        self.names.add(name)
-        return name
-
-    def initializer(self, base: str, array: np.ndarray) -> ir.Value:
-        """A new initializer holding ``array`` (ml_dtypes int4/uint4 included)."""
-        name = self.fresh(base)
-        tensor = ir.tensor(array, name=name)
-        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype))
-        value.const_value = tensor
-        self.graph.register_initializer(value)
-        return value
-
-    def ints(self, base: str, values: list[int]) -> ir.Value:
-        """A new ``int64`` 1-D initializer."""
-        return self.initializer(base, np.array(values, dtype=np.int64))
-
-    def node(
-        self, op: str, inputs, base: str, output_count: int = 1, domain: str = "", **attrs
-    ) -> ir.Node:
-        """A new node with fresh output names (appended to ``new_nodes``).
-
-        ``attrs`` are Python values or ``ir.Attr`` objects (copied).
-        """
-        outs = [
-            ir.Value(name=self.fresh(f"{base}_{i}" if output_count > 1 else base))
-            for i in range(output_count)
-        ]
-        converted = [
-            ir.Attr(k, v.type, v.value) if isinstance(v, ir.Attr) else None
-            for k, v in attrs.items()
-        ]
-        plain = {k: v for k, v in attrs.items() if not isinstance(v, ir.Attr)}
-        attributes = [a for a in converted if a is not None]
-        attributes += list(ir.convenience.convert_attributes(plain))
-        node = ir.Node(
-            domain, op, list(inputs), attributes, outputs=outs, name=self.fresh(f"{base}/{op}")
-        )
-        self.new_nodes.append(node)
-        return node
+        super().__init__(graph, f"{root.name or root.outputs[0].name or 'moe'}_canonical")
+        self.layer = layer
 
     # -- weights --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -176,7 +116,7 @@ class Emitter:
         self.graph.insert_before(layer.combine.root, self.new_nodes)
         self.take_over(layer.combine.root.outputs[0], out.outputs[0])
         self.remove_dense_nodes()
-        self.take_over_node_names()
+        self.take_over_node_names(layer.combine.root)
 
     def copy_activation(self, mlp: ExpertMLP, mapping: dict[int, ir.Value]) -> ir.Value:
         """Copy expert 0's activation onto the per-slot FC1 outputs; returns the FC2 input."""
@@ -193,35 +133,6 @@ class Emitter:
             for o_old, o_new in zip(old.outputs, new.outputs, strict=True):
                 mapping[id(o_old)] = o_new
         return mapping.get(id(mlp.act_out), mlp.act_out)
-
-    def take_over(self, old: ir.Value, new: ir.Value) -> None:
-        """``new`` replaces ``old`` everywhere (graph outputs included) and takes its name."""
-        name = old.name
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-        old.name = self.fresh("dense_out")
-        new.name = name
-        new.type, new.shape = old.type, old.shape
-
-    def take_over_node_names(self) -> None:
-        """Each new node standing for a removed one takes its name, and its outputs' names.
-
-        Only names nothing in the graph has now; the final ReduceSum's output has the layer
-        output's name already.
-        """
-        taken = _all_names(self.graph)
-        root = self.layer.combine.root
-        for new, old in self.stands_for:
-            if old.graph is not None:
-                continue
-            if old.name and old.name not in taken:
-                new.name = old.name
-                taken.add(old.name)
-            if old is root:
-                continue
-            for n_out, o_out in zip(new.outputs, old.outputs, strict=True):
-                if o_out.name and o_out.name not in taken:
-                    n_out.name = o_out.name
-                    taken.add(o_out.name)
 
     def remove_dense_nodes(self) -> None:
         nodes = self.layer.nodes()

@@ -1,0 +1,179 @@
+"""Write the per-slot form of a layer proved by its meaning (:mod:`.contract`), then drop the old.
+
+The form is the one every layer-form pass writes and the layer rules take::
+
+    fc1_i = GroupedMatMul(tokens [T, H], W1_i [E, H, N] (, b1_i [E, N]), idx [T, k])
+    act   = the model's activation nodes, copied onto fc1 (feature axes written -1)
+    fc2   = Reshape(GroupedMatMul(Reshape(act, [-1, I]), W2, Reshape(idx, [-1, 1]) (, b2)),
+                    [-1, k, O])
+    out   = ReduceSum(Mul(fc2, Unsqueeze(w, [-1])), [1], keepdims=0)   (Reshape to [B, S, O])
+
+Weights are the model's own constants: an output-major stack gets a ``Transpose`` node, a
+``DequantizeLinear`` whose inputs were gathered at the ids becomes one DQ of the ungathered
+constants (its axis moved to the stack's rank), a ``[E, 1, N]`` bias a ``Reshape``; the
+pipeline's weight-layout pass folds those afterwards, lazily. Nothing is read here but shapes.
+The new output takes over the old output's name and uses, new nodes standing for old ones take
+their names, and what only fed the old layer is removed.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import LayerParts
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import Interpretation
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import Act, Param, Proj
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, value_dims
+from onnx_moe_fuse.rewrites.canonical.experts.writer import GraphWriter
+from onnx_moe_fuse.rewrites.graph.facts import attr_int
+
+__all__ = ["write_per_slot"]
+
+
+def _weight(writer: GraphWriter, p: Proj, base: str) -> ir.Value:
+    """FC weight ``[E, K, N]`` (K-major) as a value of the graph."""
+    value = _stack_value(writer, p.weight, base)
+    if p.contracted == p.weight.feats[1]:  # output-major [E, N, K]
+        value = writer.node("Transpose", [value], f"{base}_k_major", perm=[0, 2, 1]).outputs[0]
+    return value
+
+
+def _stack_value(writer: GraphWriter, param: Param, base: str) -> ir.Value:
+    source = param.source
+    if source.dq is None:
+        assert source.value is not None
+        return source.value
+    dq = source.dq
+    gathered = value_dims(dq.inputs[0])
+    rank = len(gathered) if gathered is not None else None
+    stack = const_shape(source.inputs[0]) or ()
+    attrs = {k: a for k, a in dq.attributes.items()}
+    if rank is not None:
+        axis = attr_int(dq, "axis", 1) or 1
+        axis = axis + rank if axis < 0 else axis
+        attrs["axis"] = ir.Attr("axis", ir.AttributeType.INT, axis - (rank - len(stack)))
+    inputs = list(source.inputs)
+    return writer.node("DequantizeLinear", inputs, f"{base}_dq", **attrs).outputs[0]
+
+
+def _bias(writer: GraphWriter, p: Proj, base: str) -> list[ir.Value]:
+    if p.bias is None:
+        return []
+    value = _stack_value(writer, p.bias, base)
+    shape = const_shape(p.bias.source.value) if p.bias.source.dq is None else None
+    if shape is not None and len(shape) != 2:
+        rows = writer.ints(f"{base}_shape", [shape[0], -1])
+        value = writer.node("Reshape", [value, rows], f"{base}_rows").outputs[0]
+    return [value]
+
+
+def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) -> None:
+    """Rewrite the layer ``parts`` describes into the per-slot form (see the module)."""
+    old_out = parts.output
+    writer = GraphWriter(graph, f"{old_out.name or 'moe'}_meaning")
+    idx = parts.topk.outputs[1]
+    mapped: dict[int, ir.Value] = {}
+    for i, proj in enumerate(parts.fc1):
+        base = f"fc1_{i}"
+        inputs = [
+            parts.tokens,
+            _weight(writer, proj, base),
+            idx,
+            *_bias(writer, proj, f"{base}_bias"),
+        ]
+        mapped[id(proj)] = writer.node("GroupedMatMul", inputs, base).outputs[0]
+    for old in parts.act_nodes:
+        new = _copy_activation_node(writer, found, old, mapped)
+        writer.stands_for.append((new, old))
+    act_out = mapped[id(parts.fc2_input)]
+    fc2 = parts.fc2
+    width = _feature_width(fc2)
+    rows = writer.node("Reshape", [act_out, writer.ints("fc2_rows_shape", [-1, width])], "fc2_rows")
+    row_idx = writer.node("Reshape", [idx, writer.ints("fc2_idx_shape", [-1, 1])], "fc2_row_idx")
+    grouped = writer.node(
+        "GroupedMatMul",
+        [
+            rows.outputs[0],
+            _weight(writer, fc2, "fc2"),
+            row_idx.outputs[0],
+            *_bias(writer, fc2, "fc2_bias"),
+        ],
+        "fc2_grouped",
+    )
+    k = found.k
+    slots = writer.node(
+        "Reshape",
+        [grouped.outputs[0], writer.ints("fc2_slots_shape", [-1, k, _out_width(fc2)])],
+        "fc2",
+    )
+    w3 = writer.node("Unsqueeze", [parts.weights, writer.ints("weights_axes", [-1])], "weights_3d")
+    mul = writer.node("Mul", [slots.outputs[0], w3.outputs[0]], "weighted")
+    out = writer.node(
+        "ReduceSum", [mul.outputs[0], writer.ints("slots_axes", [1])], "out", keepdims=0
+    )
+    result = out.outputs[0]
+    if parts.split_tokens is not None:
+        shape = writer.node("Shape", [parts.split_tokens], "out_shape")
+        result = writer.node("Reshape", [result, shape.outputs[0]], "out_split").outputs[0]
+    root = old_out.producer()
+    assert root is not None
+    writer.stands_for.append((result.producer(), root))  # type: ignore[arg-type]
+    graph.insert_before(root, writer.new_nodes)
+    _take_over(writer, old_out, result)
+    writer.remove_dead([old_out])
+    writer.take_over_node_names(root)
+
+
+def _take_over(writer: GraphWriter, old: ir.Value, new: ir.Value) -> None:
+    name = old.name
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    old.name = writer.fresh("replaced_out")
+    new.name = name
+    new.type, new.shape = old.type, old.shape
+
+
+def _feature_width(fc2: Proj) -> int:
+    """FC2's input width K (static: the stack's shape)."""
+    shape = _stack_shape(fc2.weight)
+    k_axis = 1 if fc2.contracted == fc2.weight.feats[0] else 2
+    return shape[k_axis]
+
+
+def _out_width(fc2: Proj) -> int:
+    shape = _stack_shape(fc2.weight)
+    return shape[2] if fc2.contracted == fc2.weight.feats[0] else shape[1]
+
+
+def _stack_shape(p: Param) -> tuple[int, ...]:
+    v = p.source.value if p.source.dq is None else p.source.inputs[0]
+    shape = const_shape(v)
+    assert shape is not None and len(shape) == 3
+    return shape
+
+
+def _copy_activation_node(
+    writer: GraphWriter, found: Interpretation, old: ir.Node, mapped: dict[int, ir.Value]
+) -> ir.Node:
+    """``old`` on the new FC1 outputs; feature-axis attributes and inputs written as -1."""
+    inputs: list[ir.Value | None] = []
+    for i, v in enumerate(old.inputs):
+        m = found.meaning(v)
+        if m is not None and isinstance(m.term, Proj | Act):
+            inputs.append(mapped[id(m.term)])
+        elif old.op_type == "Slice" and i == 3 and v is not None:
+            inputs.append(writer.ints("slice_axes", [-1]))
+        else:
+            inputs.append(v)
+    if old.op_type == "Slice" and len(inputs) == 3:  # no axes: the starts' own axes, proved last
+        inputs.append(writer.ints("slice_axes", [-1]))
+    attrs: dict = dict(old.attributes.items())
+    if old.op_type in ("Split", "Gather"):
+        attrs["axis"] = ir.Attr("axis", ir.AttributeType.INT, -1)
+    new = writer.node(
+        old.op_type, inputs, f"act_{old.op_type.lower()}", len(old.outputs), old.domain, **attrs
+    )
+    for o_old, o_new in zip(old.outputs, new.outputs, strict=True):
+        m = found.meaning(o_old)
+        if m is not None:
+            mapped[id(m.term)] = o_new
+    return new

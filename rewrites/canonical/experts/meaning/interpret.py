@@ -1,0 +1,370 @@
+"""Interpret the nodes around one routing TopK: every value described by what it holds.
+
+:func:`interpret_layer` seeds the description with the TopK's ids ``idx[t, j]`` and values
+``w[t, j]`` and the router's token rows ``X[t, h]`` (and the ``[B, S, H]`` value those rows are
+reshaped from), then walks forward in graph order through the nodes that read a described value,
+applying each op's transfer (:mod:`.layout`, :mod:`.arith`, :mod:`.indexing`). The first value
+that holds the whole layer (a :class:`~.terms.SlotSum` over every slot) ends the walk: the
+:class:`Interpretation` has it. Where a node cannot be described, its :class:`Departure` is
+kept; the one that departs furthest along the layer (the highest ``progress`` of what it read)
+is what a near miss reports: the node, what it computes there and what the layer needed next.
+
+Only the graph is read: shapes, small constants (axes, Reshape targets, scalars), never the
+expert weights.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import arith, indexing, layout
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
+    Act,
+    Factor,
+    Ids,
+    Meaning,
+    Param,
+    Proj,
+    RowIndex,
+    SlotSum,
+    Term,
+    Tokens,
+    Weighted,
+    Weights,
+)
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
+    const_shape,
+    is_const,
+    small_const,
+    target_dims,
+    value_dims,
+)
+from onnx_moe_fuse.rewrites.graph.dims import Dim
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, label, node_axes
+
+__all__ = ["DepartureAt", "Interpretation", "interpret_layer", "router_rows"]
+
+#: What the layer needs next after a value of each progress (the near miss's "expected").
+EXPECTED = {
+    0: "the tokens gathered per slot, projected by each slot's expert (FC1)",
+    1: "the tokens projected by the expert weights gathered at the ids (FC1)",
+    2: "an elementwise activation of FC1's outputs, then FC2 by the same ids",
+    3: "the activations projected by each slot's expert (FC2)",
+    4: "FC2's outputs times the routing weights w[t, j]",
+    5: "the weighted outputs summed over the slots j per token",
+    6: "the rest of the slots added",
+}
+
+_ROUTER_WRAPPERS = ("Softmax", "Sigmoid", "Cast", "Identity", "Add", "Mul", "Div", "LogSoftmax")
+_TOKEN_LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+
+
+@dataclass(frozen=True)
+class DepartureAt:
+    """A node that could not be described: what it read and why."""
+
+    node: ir.Node
+    reason: str
+    progress: int
+    read: tuple[str, ...]
+
+    @property
+    def expected(self) -> str:
+        """What the layer needed at this point."""
+        return EXPECTED.get(self.progress, EXPECTED[0])
+
+    def sentence(self) -> str:
+        """The near miss's words."""
+        read = "; ".join(self.read)
+        return (
+            f"{self.node.op_type} '{label(self.node)}' computes {self.reason}, reading {read}; "
+            f"expected {self.expected}"
+        )
+
+
+@dataclass
+class Interpretation:
+    """The meanings found around one TopK; ``output`` holds the layer, where one was found."""
+
+    topk: ir.Node
+    tokens: ir.Value | None
+    k: int
+    meanings: dict[int, tuple[ir.Value, Meaning]] = field(default_factory=dict)
+    output: ir.Value | None = None
+    departures: list[DepartureAt] = field(default_factory=list)
+    token_values: list[ir.Value] = field(default_factory=list)
+
+    def meaning(self, value: ir.Value | None) -> Meaning | None:
+        """The description of ``value`` (None when it has none)."""
+        if value is None:
+            return None
+        found = self.meanings.get(id(value))
+        return found[1] if found is not None else None
+
+    def furthest(self) -> DepartureAt | None:
+        """The departure furthest along the layer (the earliest among equals)."""
+        if not self.departures:
+            return None
+        best = max(d.progress for d in self.departures)
+        return next(d for d in self.departures if d.progress == best)
+
+
+def router_rows(topk: ir.Node) -> ir.Value | None:
+    """The token rows the router projects: ``MatMul(rows, W)`` / ``Gemm`` behind the scores."""
+    v = topk.inputs[0] if topk.inputs else None
+    for _ in range(8):
+        node = v.producer() if v is not None else None
+        if node is None:
+            return None
+        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) >= 2:
+            weight = node.inputs[1]
+            shape = const_shape(weight)
+            while shape is None and weight is not None and weight.producer() is not None:
+                p = weight.producer()
+                if p.op_type not in ("Transpose", "Cast", "Identity", "DequantizeLinear"):
+                    break
+                weight = p.inputs[0]
+                shape = const_shape(weight)
+            return node.inputs[0] if shape is not None and len(shape) == 2 else None
+        if node.op_type not in _ROUTER_WRAPPERS:
+            return None
+        described = [i for i in node.inputs if i is not None and not is_const(i)]
+        if len(described) != 1:
+            return None
+        v = described[0]
+    return None
+
+
+class _Walk:
+    """The forward walk of :func:`interpret_layer`."""
+
+    def __init__(self, topk: ir.Node, order: dict[int, int]) -> None:
+        self.topk = topk
+        self.order = order
+        self.heap: list[tuple[int, int, ir.Node]] = []
+        self.queued: set[int] = set()
+
+    def push_users(self, value: ir.Value) -> None:
+        for user, _ in value.uses():
+            if id(user) not in self.queued and id(user) in self.order:
+                self.queued.add(id(user))
+                heapq.heappush(self.heap, (self.order[id(user)], id(user), user))
+
+
+def _seed(result: Interpretation, value: ir.Value, meaning: Meaning) -> None:
+    result.meanings[id(value)] = (value, meaning)
+
+
+def _seed_tokens(result: Interpretation, rows: ir.Value, tokens: Dim) -> list[ir.Value]:
+    """The router rows ``[T, H]`` and the ``[B, S, H]`` value they are reshaped from."""
+    dims = value_dims(rows)
+    if dims is None or len(dims) != 2:
+        return []
+    h = Factor("h", dims[1])
+    _seed(result, rows, Meaning(((Factor("t", tokens),), (h,)), Tokens()))
+    seeded = [rows]
+    node = rows.producer()
+    if node is not None and node.op_type in _TOKEN_LAYOUT and node.inputs:
+        source = node.inputs[0]
+        sdims = value_dims(source)
+        if sdims is not None and len(sdims) == 3 and sdims[2] == dims[1]:
+            if sdims[0] * sdims[1] == tokens:
+                hi, lo = Factor("t.hi", sdims[0]), Factor("t.lo", sdims[1])
+                _seed(result, source, Meaning(((hi,), (lo,), (h,)), Tokens()))
+                seeded.append(source)
+    return seeded
+
+
+def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Interpretation:
+    """Describe the values around ``topk`` (a TopK over ``experts`` scores); see the module."""
+    k_arr = small_const(topk.inputs[1]) if len(topk.inputs) > 1 else None
+    k = int(k_arr.reshape(-1)[0]) if k_arr is not None and k_arr.size == 1 else 0
+    rows = router_rows(topk)
+    result = Interpretation(topk, rows, k)
+    ids, values = topk.outputs[1], topk.outputs[0]
+    row_dims = value_dims(rows) if rows is not None else None
+    if k <= 0 or row_dims is None or len(row_dims) != 2:
+        return result
+    tokens = row_dims[0]
+    tj = ((Factor("t", tokens),), (Factor("j", Dim.of(k)),))
+    _seed(result, ids, Meaning(tj, Ids()))
+    _seed(result, values, Meaning(tj, Weights(values)))
+    walk = _Walk(topk, order)
+    result.token_values = _seed_tokens(result, rows, tokens)
+    for v in (ids, values, *result.token_values):
+        walk.push_users(v)
+    ranges = _Ranges(tokens, k)
+    while walk.heap:
+        _, _, node = heapq.heappop(walk.heap)
+        ins = [_input_meaning(result, v, ranges) for v in node.inputs]
+        try:
+            outs = transfer(node, ins, tokens, k, experts)
+        except Departure as why:
+            progress = max((m.term.progress for m in ins if m is not None), default=0)
+            read = tuple(
+                f"'{v.name}' = {m.text()}"
+                for v, m in zip(node.inputs, ins, strict=False)
+                if v is not None and m is not None
+            )
+            result.departures.append(DepartureAt(node, str(why), progress, read))
+            continue
+        for out, m in zip(node.outputs, outs, strict=False):
+            if m is None:
+                continue
+            _seed(result, out, m)
+            if isinstance(m.term, SlotSum) and len(m.term.slots) == k:
+                result.output = out
+                return result
+            walk.push_users(out)
+    return result
+
+
+class _Ranges:
+    """Row indices computed from ``Range`` nodes, described on demand (with their layout ops)."""
+
+    def __init__(self, tokens: Dim, k: int) -> None:
+        self.tokens, self.k = tokens, k
+        self.memo: dict[int, Meaning | None] = {}
+
+    def describe(self, value: ir.Value, depth: int = 0) -> Meaning | None:
+        if id(value) in self.memo:
+            return self.memo[id(value)]
+        self.memo[id(value)] = None
+        node = value.producer()
+        out = None
+        if node is not None and depth < 12 and value.dtype in _INT_TYPES:
+            if node.op_type == "Range":
+                out = indexing.row_range(node, self.tokens, self.k)
+            elif node.op_type in _INDEX_OPS:
+                ins = [None if v is None or is_const(v) else self.describe(v, depth + 1)
+                       for v in node.inputs]  # fmt: skip
+                if ins and ins[0] is not None:
+                    try:
+                        outs = transfer(node, ins, self.tokens, self.k, 0)
+                        out = outs[value.index()] if outs else None  # type: ignore[index]
+                    except Departure:
+                        out = None
+        self.memo[id(value)] = out
+        return out
+
+
+#: Index element types (None: a model without value_info, typed by the ops that read it).
+_INT_TYPES = (ir.DataType.INT64, ir.DataType.INT32, None)
+
+#: Ops that read only a value's shape: not part of the layer's data flow.
+_SHAPE_READS = ("Shape", "Size")
+
+_INDEX_OPS = ("Div", "Mod", "Mul", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Cast",
+              "Flatten", "Transpose", "Identity")  # fmt: skip
+
+
+def _input_meaning(
+    result: Interpretation, value: ir.Value | None, ranges: _Ranges
+) -> Meaning | None:
+    if value is None:
+        return None
+    m = result.meaning(value)
+    if m is None and not is_const(value) and value.dtype in _INT_TYPES:
+        m = ranges.describe(value)
+    return m
+
+
+def transfer(
+    node: ir.Node, ins: list[Meaning | None], tokens: Dim, k: int, experts: int
+) -> list[Meaning | None]:
+    """The meanings of ``node``'s outputs from its inputs' (``Departure`` when it has none)."""
+    op = node.op_type
+    if op in _SHAPE_READS:
+        return [None] * len(node.outputs)
+    if node.domain not in ("", "ai.onnx"):
+        raise Departure(f"a {node.domain} op")
+    first = ins[0] if ins else None
+    if op in ("Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze") and first is None:
+        raise Departure(f"a {op} of a value this analysis does not describe")
+    if op == "Reshape":
+        target = target_dims(node.inputs[1])
+        if target is None:
+            raise Departure("a Reshape to a shape that is not known")
+        return [layout.reshape(first, target, attr_int(node, "allowzero", 0))]  # type: ignore[arg-type]
+    if op == "Flatten" and first is not None:
+        return [layout.flatten(first, attr_int(node, "axis", 1) or 0)]
+    if op == "Transpose" and first is not None:
+        perm = node.attributes.get("perm")
+        return [layout.transpose(first, list(perm.value) if perm is not None else None)]
+    if op == "Squeeze":
+        return [layout.squeeze(first, node_axes(node, 1))]  # type: ignore[arg-type]
+    if op == "Unsqueeze":
+        axes = node_axes(node, 1)
+        if axes is None:
+            raise Departure("an Unsqueeze whose axes are not constant")
+        return [layout.unsqueeze(first, axes)]  # type: ignore[arg-type]
+    if op == "Expand":
+        target = target_dims(node.inputs[1])
+        if target is None:
+            raise Departure("an Expand to a shape that is not known")
+        return [layout.expand(first, target)]  # type: ignore[arg-type]
+    if op == "Tile":
+        reps = small_const(node.inputs[1])
+        if reps is None:
+            raise Departure("a Tile whose repeats are not constant")
+        return [layout.tile(first, [int(r) for r in reps.reshape(-1)])]  # type: ignore[arg-type]
+    if op in ("Slice", "Split") or (op == "Gather" and first is not None and _is_act(first)):
+        if first is None:
+            raise Departure(f"a {op} of a value this analysis does not describe")
+        return [arith.feature_select(node, first, out) for out in node.outputs]
+    if op in arith.ELEMENTWISE:
+        if all(m is None for m in ins):
+            raise Departure(f"a {op} of values this analysis does not describe")
+        return [arith.elementwise(node, ins)] + [None] * (len(node.outputs) - 1)
+    if op == "MatMul":
+        return [arith.matmul(node, first, _weights_or_described(ins, node, 1, experts), k)]
+    if op == "GroupedMatMul":
+        w = indexing.expert_stack(node.inputs[1], experts)
+        bias = indexing.expert_stack(node.inputs[3], experts) if len(node.inputs) > 3 else None
+        return [arith.grouped_matmul(node, [first, w, ins[2]], bias)]
+    if op == "ReduceSum" and first is not None:
+        return [arith.reduce_sum(node, first, k)]
+    if op == "Gather":
+        return [indexing.gather(node, first, ins[1], experts)]
+    if op == "GatherND":
+        return [indexing.gather_nd(node, first, ins[1], experts)]
+    if op == "GatherElements":
+        return [indexing.gather_elements(node, ins[1], tokens, experts)]
+    if op == "DequantizeLinear":
+        return [indexing.dequantize(node, ins)]
+    if op in ("ScatterElements", "ScatterND"):
+        return [indexing.scatter(node, ins, tokens, k)]
+    what = ", ".join(m.term.text() for m in ins if m is not None) or "its inputs"
+    raise Departure(f"{_article(op)} {op} of {what} (an op this analysis does not describe)")
+
+
+def _article(op: str) -> str:
+    return "an" if op[0] in "AEIOU" else "a"
+
+
+def _is_act(m: Meaning) -> bool:
+    t = m.term
+    return isinstance(t, Act) or (isinstance(t, Proj) and t.stage == 1)
+
+
+def _weights_or_described(
+    ins: list[Meaning | None], node: ir.Node, i: int, experts: int
+) -> Meaning | None:
+    """Input ``i``'s meaning, or the expert stack it is (a MatMul by all experts' weights)."""
+    m = ins[i] if i < len(ins) else None
+    if m is None and i < len(node.inputs):
+        return indexing.expert_stack(node.inputs[i], experts)
+    return m
+
+
+def describe(term: Term) -> str:
+    """A term's text (for reports)."""
+    return term.text()
+
+
+__all__ += ["EXPECTED", "describe", "transfer"]
+_ = (Param, RowIndex, Weighted, Tokens, Ids)

@@ -1,0 +1,110 @@
+"""Canonicalise MoE layers recognised by what they compute into the per-slot form.
+
+:class:`CanonicalMeaningPass` interprets the nodes around each routing TopK
+(:mod:`.interpret`: every value as an indexed expression over tokens, slots, experts and
+features), and where the layer's output holds the fused op's contract (:mod:`.contract`), writes
+the per-slot form the layer rules take (:mod:`.emit`). It is exact: every op it describes is
+described by what it computes (a Reshape regroups index factors, a Gather at the ids selects
+experts, a scatter-add at the rows' tokens sums over the slots), and the per-slot form computes
+the same expression. Where a layer is not the contract, the pass records why (a
+:class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal` of stage ``meaning`` naming the part, the
+first node whose meaning departs, what it computes and what the layer needed), which the near
+miss carries. The pipeline runs it on the layers the earlier forms did not bring to the rules
+(``only``): the exporter forms' own passes stay the fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import layer_parts
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.emit import write_per_slot
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import (
+    DepartureAt,
+    Interpretation,
+    interpret_layer,
+)
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import value_dims
+from onnx_moe_fuse.rewrites.graph.refusals import MEANING, Refusal
+
+__all__ = ["CanonicalMeaningPass", "analyse_topk", "part_of"]
+
+GROUPED_MATMUL_OPSET = 29
+
+#: The layer part a departure at each progress is in.
+_PARTS = {0: "fc1", 1: "fc1", 2: "activation", 3: "fc2", 4: "combine", 5: "combine", 6: "combine"}
+
+
+def part_of(progress: int) -> str:
+    """The part named by a departure after a value of ``progress``."""
+    return _PARTS.get(progress, "fc1")
+
+
+def _experts(topk: ir.Node) -> int | None:
+    dims = value_dims(topk.inputs[0]) if topk.inputs else None
+    axis = topk.attributes.get("axis")
+    if dims is None or (axis is not None and axis.value not in (-1, len(dims) - 1)):
+        return None
+    last = dims[-1]
+    return None if last.syms else last.coef
+
+
+def analyse_topk(topk: ir.Node, order: dict[int, int]) -> tuple[Interpretation | None, object]:
+    """The interpretation around ``topk`` and its :class:`~.contract.LayerParts` or departure."""
+    experts = _experts(topk)
+    if experts is None or len(topk.outputs) < 2:
+        return None, None
+    found = interpret_layer(topk, order, experts)
+    if found.output is None:
+        return found, found.furthest()
+    try:
+        return found, layer_parts(found, order)
+    except Departure as why:
+        node = found.output.producer()
+        return found, DepartureAt(node, str(why), 6, ()) if node is not None else None
+
+
+class CanonicalMeaningPass(ir.passes.InPlacePass):
+    """Rewrite layers whose meaning is the fused op's contract into the per-slot form."""
+
+    def __init__(self, refusals: list[Refusal] | None = None, only: Iterable[str] | None = None):
+        """``refusals`` receives why a layer is left; ``only``: TopK output names to analyse."""
+        super().__init__()
+        self.refusals = refusals if refusals is not None else []
+        self.only = None if only is None else frozenset(only)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Analyse each routing TopK of the main graph; rewrite the layers that hold the contract."""
+        graph = model.graph
+        topks = [
+            n
+            for n in graph
+            if n.op_type == "TopK" and (self.only is None or n.outputs[0].name in self.only)
+        ]
+        modified = False
+        for topk in topks:
+            order = {id(n): i for i, n in enumerate(graph)}
+            found, outcome = analyse_topk(topk, order)
+            if found is None or outcome is None:
+                continue
+            if isinstance(outcome, DepartureAt):
+                self.refusals.append(_refusal(outcome).recorded_by(MEANING, topk))
+                continue
+            write_per_slot(graph, found, outcome)  # type: ignore[arg-type]
+            modified = True
+        if modified:
+            current = int(graph.opset_imports.get("", 1))
+            graph.opset_imports[""] = max(current, GROUPED_MATMUL_OPSET)
+        return ir.passes.PassResult(model, modified)
+
+
+def _refusal(departure: DepartureAt) -> Refusal:
+    return Refusal(
+        departure.sentence(),
+        departure.node,
+        part=part_of(departure.progress),
+        expected=departure.expected,
+    )
