@@ -23,8 +23,10 @@ from onnx_moe_fuse.pipeline.common import (
 )
 from onnx_moe_fuse.pipeline.near_misses import (
     GENERIC_UNRECOGNISED,
+    UNRECOGNISED,
     NearMissTracer,
     dense_near_miss,
+    meaning_near_miss,
     unrecognised,
 )
 from onnx_moe_fuse.pipeline.quantized_layers import (
@@ -37,7 +39,7 @@ from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_or
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import CanonicalMeaningPass
 from onnx_moe_fuse.rewrites.canonical.weights.fold_weight_layout import FoldWeightLayoutPass
-from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
+from onnx_moe_fuse.rewrites.graph.refusals import MEANING, NearMiss, Refusal, recorded
 from onnx_moe_fuse.rewrites.graph.selection_rounds import same_topk, selection_round
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
@@ -354,7 +356,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         ]
         if not unfused:
             return tracer
-        if not CanonicalMeaningPass(refusals, only=unfused)(work).modified:
+        meaning = CanonicalMeaningPass(refusals, only=unfused)
+        if not meaning(work).modified:
             return tracer
         FoldWeightLayoutPass()(work)
         second = NearMissTracer(refusals)
@@ -363,7 +366,13 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         ).apply_to_model(work, tracer=second)
         check_block_sizes(second)
         rules.apply_to_model(work)
-        second.attempts[:0] = tracer.attempts
+        # a rewritten layer's refusals are the second round's (on its per-slot form); the
+        # others keep the first round's, on the spelling the model has
+        rewritten = {id(t) for t in meaning.rewritten}
+        second.attempts = [
+            *(a for a in tracer.attempts if a.topk is None or id(a.topk) not in rewritten),
+            *(a for a in second.attempts if a.topk is not None and id(a.topk) in rewritten),
+        ]
         return second
 
     def _near_misses(
@@ -398,6 +407,11 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 continue
             reason, dense = unrecognised(node, refusals)
             part = None
+            departs = recorded(refusals, MEANING, node)
+            if departs is not None and dense is None and reason and reason.startswith(UNRECOGNISED):
+                # the analysis of meaning names the node where the layer stops being the op's
+                self.report.add_near_miss(meaning_near_miss(node, departs, reason))
+                continue
             if dense is not None:
                 reason = dense.reason  # the pass recognised the layer: its refusal names the part
             elif reason == GENERIC_UNRECOGNISED:

@@ -139,6 +139,33 @@ class NearMissTracer(RefusalTracer):
         return found if found is not None and found.part is not None else None
 
 
+#: How the reasons for a TopK no rule matched begin.
+UNRECOGNISED = "not recognised: "
+
+
+def meaning_near_miss(topk: ir.Node, departs: Refusal, reason: str) -> NearMiss:
+    """The near miss of a TopK no rule matched, pointed by the analysis of meaning.
+
+    ``departs``: the meaning pass's record (part, the first node whose meaning departs from
+    the fused op's contract, what it computes there, what the layer needed); ``reason``: what
+    the known-forms reasoning said (its "not recognised" head dropped), kept as context.
+    """
+    form = reason[len(UNRECOGNISED) :] if reason.startswith(UNRECOGNISED) else reason
+    where = departs.node if departs.node is not None else topk
+    return NearMiss(
+        rule=None,
+        part=departs.part,
+        node=label(where),
+        reason=f"{departs.reason} ({form})",
+        root=None,
+        topk=label(topk),
+        router=None,
+        values=tuple(value_label(v) for v in departs.failure_sources if isinstance(v, ir.Value)),
+        value=None,
+        expected=departs.expected,
+    )
+
+
 _SHAPE_ONLY = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast")
 
 

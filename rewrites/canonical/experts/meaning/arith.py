@@ -24,8 +24,10 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     normalise,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
+    AccRows,
     Act,
     Axis,
+    BranchUpdate,
     Factor,
     Ids,
     Meaning,
@@ -38,6 +40,11 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Tokens,
     Weighted,
     Weights,
+    WeightSource,
+    axis_size,
+    filtered_expert,
+    filtered_var,
+    is_repeat,
     is_row_var,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
@@ -55,6 +62,7 @@ __all__ = [
     "grouped_matmul",
     "matmul",
     "reduce_sum",
+    "routing_value",
 ]
 
 #: Ops computing each output element from the elements at its position (broadcast).
@@ -113,11 +121,14 @@ def elementwise(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
     if op in ("Identity", "Dropout") or (op == "Cast" and _int_like(terms)):
         return described[0]
     if all(_routing(t) for t in terms):
-        return _routing_result(node, described)
+        return routing_value(node, described)
     if any(isinstance(t, Ids) for t in terms):
         raise Departure(f"{op} of the expert indices (they may only select experts)")
     if all(isinstance(t, RowIndex) for t in terms):
         return _index_arithmetic(node, ins)
+    if op == "Add" and len(described) == 1 and isinstance(terms[0], Proj):
+        if terms[0].expert is not None or terms[0].stage == 2:
+            return _const_bias(node, ins, described[0])
     if all(_is_expert(t) for t in terms):
         return _activation(node, ins)
     if op == "Mul" and len(described) == 2:
@@ -132,7 +143,7 @@ def _int_like(terms: list[Term]) -> bool:
     return bool(terms) and all(isinstance(t, Ids | RowIndex) for t in terms)
 
 
-def _routing_result(node: ir.Node, described: list[Meaning]) -> Meaning:
+def routing_value(node: ir.Node, described: list[Meaning]) -> Meaning:
     """A routing value: ``[T, k]`` weights where the broadcast layout is ``[t, j]``."""
     out = node.outputs[0]
     try:
@@ -147,8 +158,18 @@ def _routing_result(node: ir.Node, described: list[Meaning]) -> Meaning:
 
 
 def _index_arithmetic(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
-    """``Div``/``Mod``/``Mul``/``Add`` of a row index by an integer constant."""
-    (m,) = [x for x in ins if x is not None]
+    """``Div``/``Mod``/``Mul`` of a row index by an integer constant; ``Add`` of two."""
+    described = [x for x in ins if x is not None]
+    if len(described) == 2 and node.op_type == "Add":
+        a, b = described
+        axes = broadcast_axes(a.axes, b.axes)
+        coefs = dict(a.term.coefs)  # type: ignore[attr-defined]
+        for v, n in b.term.coefs:  # type: ignore[attr-defined]
+            coefs[v] = coefs.get(v, 0) + n
+        return Meaning(axes, RowIndex(tuple(sorted(coefs.items()))))
+    if len(described) != 1:
+        raise Departure(f"{node.op_type} of two row indices")
+    (m,) = described
     term = m.term
     assert isinstance(term, RowIndex)
     other = next((v for v, x in zip(node.inputs, ins, strict=False) if x is None), None)
@@ -291,6 +312,14 @@ def _added(described: list[Meaning]) -> Meaning:
         p = a.term
         biased = Proj(p.stage, p.input, p.weight, p.contracted, p.out_var, b.term)
         return Meaning(normalise(axes), biased)
+    acc = next((m for m in described if isinstance(m.term, AccRows)), None)
+    part = next((m for m in described if isinstance(m.term, Weighted)), None)
+    if acc is not None and part is not None:
+        if not part.axes or not acc.axes or axis_size(part.axes[-1]) != axis_size(acc.axes[-1]):
+            raise Departure("a branch's weighted rows added to accumulator rows of another width")
+        # the output features are the accumulator's: the same columns, named by it
+        axes = broadcast_axes(acc.axes, (*part.axes[:-1], acc.axes[-1]))
+        return Meaning(axes, BranchUpdate(acc.term.total, part.term))  # type: ignore[attr-defined]
     if isinstance(a.term, SlotSum) and isinstance(b.term, SlotSum):
         if a.term.inner.expert is not b.term.inner.expert or a.term.slots & b.term.slots:
             raise Departure("a sum of slot sums of other experts' outputs, or of a slot twice")
@@ -299,19 +328,48 @@ def _added(described: list[Meaning]) -> Meaning:
     raise Departure(f"a sum of {a.term.text()} and {b.term.text()}")
 
 
+def _const_bias(node: ir.Node, ins: list[Meaning | None], m: Meaning) -> Meaning:
+    """A loop branch's projection plus its expert's own bias ``[N]`` (or ``[1, N]``)."""
+    p = m.term
+    assert isinstance(p, Proj)
+    value = next(v for v, x in zip(node.inputs, ins, strict=False) if x is None)
+    shape = const_shape(value)
+    width = axis_size(m.axes[-1]) if m.axes else None
+    if p.expert is None:
+        raise Departure("a constant added to FC2's outputs, not an expert's bias")
+    if shape is None or [d for d in shape if d != 1] != [width.coef if width else -1]:
+        raise Departure(f"a constant of shape {shape} added to a projection, not its bias")
+    if p.bias is not None:
+        raise Departure("a second bias added to a projection")
+    bias = Param(WeightSource(value), (f"{value.name}#b",), single=True)
+    return Meaning(
+        m.axes, Proj(p.stage, p.input, p.weight, p.contracted, p.out_var, bias, p.expert)
+    )
+
+
 def _single(axis: Axis, what: str) -> Factor:
     if len(axis) != 1:
         raise Departure(f"{what} over an axis holding {len(axis)} indices")
     return axis[0]
 
 
-def _check_rows(axes: tuple[Axis, ...], what: str) -> None:
-    """Every output row meets one token and one slot: ``t`` and ``j`` once each."""
-    row_vars = [f.var for a in axes for f in a if f.var in ("t", "j") or f.var.startswith("t.")]
+def _check_rows(axes: tuple[Axis, ...], what: str) -> int | None:
+    """Every output row meets one token and one slot, once: returns a loop branch's expert.
+
+    Per-slot rows hold ``t`` and ``j`` once each (None is returned); a loop branch's rows are
+    its filtered index alone.
+    """
+    row_vars = [f.var for a in axes for f in a if is_row_var(f.var) and not is_repeat(f.var)]
     if len(row_vars) != len(set(row_vars)):
         raise Departure(f"{what} in which each row meets every token's expert (not per slot)")
+    branches = [filtered_expert(v) for v in row_vars if filtered_expert(v) is not None]
+    if branches:
+        if row_vars != [filtered_var(branches[0])]:
+            raise Departure(f"{what} whose rows mix a loop branch's rows with other indices")
+        return branches[0]
     if "j" not in row_vars:
         raise Departure(f"{what} whose rows are not per slot")
+    return None
 
 
 def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) -> Meaning:
@@ -319,6 +377,8 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
     if a is None or b is None or len(a.axes) < 2 or len(b.axes) < 2:
         raise Departure("a MatMul of a value that is not described, or of rank 1")
     ta, tb = a.term, b.term
+    if isinstance(tb, Param) and tb.single:
+        return _branch_projection(a, b)
     if isinstance(tb, Param):
         if not tb.selected:
             raise Departure(
@@ -349,6 +409,34 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
         inner = Weighted(w.term, y.term)
         return Meaning(axes, SlotSum(inner, frozenset(range(k_slots))))
     raise Departure(f"a MatMul of {ta.text()} and {tb.text()}")
+
+
+def _branch_projection(a: Meaning, b: Meaning) -> Meaning:
+    """A loop branch's rows times its expert's own ``[K, N]`` weight."""
+    ta, tb = a.term, b.term
+    assert isinstance(tb, Param)
+    if not isinstance(ta, Tokens) and not _is_expert(ta):
+        raise Departure(f"a MatMul of {ta.text()} by one weight")
+    ka = _single(a.axes[-1], "a MatMul contracting")
+    kb, nb = _single(b.axes[-2], "a MatMul"), _single(b.axes[-1], "a MatMul")
+    if ka.size != kb.size:
+        raise Departure("a MatMul contracting axes of different sizes")
+    axes = normalise((*a.axes[:-1], b.axes[-1]))
+    expert = _check_rows(axes, "a projection by one weight")
+    if expert is None:
+        raise Departure(
+            f"a projection by the single weight {tb.source.name} of rows of every expert"
+        )
+    if not isinstance(ta, Tokens) and getattr(_leaf(ta), "expert", None) != expert:
+        raise Departure(f"expert {expert}'s FC2 of another branch's activations")
+    stage = 1 if isinstance(ta, Tokens) else 2
+    return Meaning(axes, Proj(stage, ta, tb, kb.var, nb.var, expert=expert))
+
+
+def _leaf(term: Term) -> Proj | None:
+    if isinstance(term, Proj):
+        return term
+    return term.leaves[0] if isinstance(term, Act) and term.leaves else None
 
 
 def grouped_matmul(node: ir.Node, ins: list[Meaning | None], bias: Meaning | None) -> Meaning:

@@ -4,31 +4,51 @@ The contract of ``com.microsoft.MoE``/``QMoE`` as an indexed expression::
 
     out[t, o] = sum_j w[t, j] * FC2_{idx[t, j]}( act( FC1_{idx[t, j]}(X[t, :]) ) )[o]
 
-with ``FC_e(v) = v @ W[e] (+ b[e])`` for constant stacks ``W [E, K, N]``. :func:`layer_parts`
-reads that structure off the output's :class:`~.terms.SlotSum` and returns the
-:class:`LayerParts` the emitter writes (or raises :class:`~.layout.Departure` naming what
-differs). What ``w`` is (a softmax, renormalised top-k values, ...), which activation ``act`` is
-and which target takes the node are the layer rules' to prove on the per-slot form written from
-these parts.
+with ``FC_e(v) = v @ W[e] (+ b[e])`` for constant weights. The layer's output holds it as a
+:class:`~.terms.SlotSum` over every slot (the per-slot forms: weights gathered at the ids), or as
+an :class:`~.terms.ExpertSum` over every expert (a loop over the experts, each branch its
+expert's own weights over the rows that chose it, all branches alike). :func:`layer_parts`
+reads the structure off the output and returns the :class:`LayerParts` the emitter writes, or
+raises :class:`~.layout.Departure` naming what differs. What ``w`` is (a softmax, renormalised
+top-k values, ...), which activation ``act`` is and which target takes the node are the layer
+rules' to prove on the per-slot form written from these parts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import Interpretation
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Act,
+    ExpertSum,
     Param,
     Proj,
     SlotSum,
     Tokens,
+    Weighted,
 )
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, small_const
 
-__all__ = ["LayerParts", "layer_parts"]
+__all__ = ["LayerParts", "Projection", "layer_parts", "stack_shape"]
+
+
+@dataclass(frozen=True, eq=False)
+class Projection:
+    """One FC as the emitter writes it: its weights, stacked or one per expert (in order).
+
+    ``k_major``: the weights' contracted axis comes first (``[E, K, N]`` / ``[K, N]``);
+    ``term``: the projection the activation reads (branch 0's in a loop).
+    """
+
+    weights: tuple[Param, ...]
+    biases: tuple[Param, ...] | None
+    k_major: bool
+    term: Proj
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,26 +64,46 @@ class LayerParts:
     topk: ir.Node
     tokens: ir.Value
     weights: ir.Value
-    fc1: tuple[Proj, ...]
+    fc1: tuple[Projection, ...]
     act_nodes: tuple[ir.Node, ...]
     fc2_input: Act | Proj
-    fc2: Proj
+    fc2: Projection
     output: ir.Value
     split_tokens: ir.Value | None
+    widths: tuple[int, int]  # FC2's input and output widths
 
 
-def _check_param(p: Param, what: str, feats: int) -> None:
-    if not p.selected or len(p.feats) != feats:
-        raise Departure(f"{what} {p.text()} is not a constant stack of [E, K, N] expert weights")
+def stack_shape(p: Param) -> tuple[int, ...] | None:
+    """The shape of a weight's source (a DequantizeLinear's: its codes')."""
+    source = p.source
+    value = source.value if source.dq is None else source.inputs[0]
+    shape = const_shape(value)
+    producer = value.producer() if value is not None else None
+    if shape is None and producer is not None and producer.op_type == "DequantizeLinear":
+        shape = const_shape(producer.inputs[0])
+    return shape
 
 
-def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
-    """The parts of the layer ``found`` describes (``Departure`` when it is not the contract)."""
-    out = found.output
-    m = found.meaning(out)
-    if out is None or m is None or not isinstance(m.term, SlotSum) or found.tokens is None:
-        raise Departure("no value holds the sum over every slot of the weighted expert outputs")
-    weighted = m.term.inner
+def _check_param(p: Param, what: str, feats: int) -> tuple[int, ...]:
+    shape = stack_shape(p)
+    wide = None if shape is None else [d for d in shape[(0 if p.single else 1) :] if d != 1]
+    if not (p.selected or p.single) or len(p.feats) != feats or wide is None or len(wide) != feats:
+        raise Departure(f"{what} {p.text()} is not a constant per-expert weight")
+    if feats == 2 and len(shape) != (2 if p.single else 3):  # type: ignore[arg-type]
+        raise Departure(f"{what} {p.text()} is not a constant [E, K, N] stack")
+    return shape  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, eq=False)
+class _Branch:
+    """One expert's MLP as the output holds it (per-slot layers have one, for every expert)."""
+
+    weighted: Weighted
+    leaves: tuple[Proj, ...]
+    act_nodes: tuple[ir.Node, ...]
+
+
+def _branch(weighted: Weighted, order: dict[int, int]) -> _Branch:
     fc2 = weighted.expert
     if fc2.stage != 2:
         raise Departure("the weighted outputs are not FC2's")
@@ -77,30 +117,90 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         leaves, nodes = (act,), ()
     else:
         raise Departure(f"FC2 reads {act.text()}, not an activation of FC1")
+    if len(leaves) > 2:
+        raise Departure(f"the activation reads {len(leaves)} projections of the tokens")
     for p in leaves:
         if p.stage != 1 or not isinstance(p.input, Tokens):
             raise Departure(f"the activation reads {p.text()}, not a projection of the tokens")
         _check_param(p.weight, "FC1's weight", 2)
         if p.bias is not None:
             _check_param(p.bias, "FC1's bias", 1)
-    if len(leaves) > 2:
-        raise Departure(f"the activation reads {len(leaves)} projections of the tokens")
-    split = _output_layout(found, m.axes)
     ordered = tuple(sorted(set(nodes), key=lambda n: order.get(id(n), 0)))
+    return _Branch(weighted, tuple(leaves), ordered)
+
+
+def _signature(branch: _Branch, found: Interpretation) -> tuple:
+    """What must be equal between two experts' branches for one stacked MLP to compute both."""
+
+    def projection(p: Proj) -> tuple:
+        return (stack_shape(p.weight), p.contracted == p.weight.feats[0], p.bias is not None)
+
+    nodes = []
+    for n in branch.act_nodes:
+        inputs = []
+        for v in n.inputs:
+            m = found.meaning(v)
+            if m is not None:
+                inputs.append(
+                    ("leaf", branch.leaves.index(m.term)) if m.term in branch.leaves else "act"
+                )
+            else:
+                arr = small_const(v)
+                inputs.append(None if arr is None else (arr.dtype.str, arr.shape, arr.tobytes()))
+        attrs = tuple(sorted((k, repr(a.value)) for k, a in n.attributes.items()))
+        nodes.append((n.op_type, n.domain, attrs, tuple(inputs)))
+    fc2 = branch.weighted.expert
+    return (tuple(projection(p) for p in branch.leaves), projection(fc2), tuple(nodes))
+
+
+def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
+    """The parts of the layer ``found`` describes (``Departure`` when it is not the contract)."""
+    out = found.output
+    m = found.meaning(out)
+    if out is None or m is None or found.tokens is None:
+        raise Departure("no value holds the sum over every slot of the weighted expert outputs")
+    if isinstance(m.term, SlotSum):
+        branches = [_branch(m.term.inner, order)]
+    elif isinstance(m.term, ExpertSum):
+        by_expert = dict(m.term.branches)
+        branches = [_branch(by_expert[e], order) for e in sorted(by_expert)]
+        first = _signature(branches[0], found)
+        for e, b in enumerate(branches[1:], start=1):
+            if _signature(b, found) != first:
+                raise Departure(f"expert {e}'s MLP differs in structure from expert 0's")
+            if b.weighted.weights.source is not branches[0].weighted.weights.source:
+                raise Departure(f"expert {e}'s rows are weighted by other routing weights")
+    else:
+        raise Departure(f"the output holds {m.term.text()}")
+    head = branches[0]
+
+    def projection(terms: list[Proj]) -> Projection:
+        p = terms[0]
+        biases = None if p.bias is None else tuple(t.bias for t in terms)  # type: ignore[misc]
+        return Projection(
+            tuple(t.weight for t in terms), biases, p.contracted == p.weight.feats[0], p
+        )
+
+    fc1 = tuple(projection([b.leaves[i] for b in branches]) for i in range(len(head.leaves)))
+    fc2 = projection([b.weighted.expert for b in branches])
+    shape = stack_shape(fc2.term.weight)
+    assert shape is not None
+    k_in, n_out = shape[-2:] if fc2.k_major else shape[-2:][::-1]
     return LayerParts(
         found.topk,
         found.tokens,
-        weighted.weights.source,
-        tuple(leaves),
-        ordered,
-        act,
+        head.weighted.weights.source,
+        fc1,
+        head.act_nodes,
+        head.weighted.expert.input,  # type: ignore[arg-type]
         fc2,
         out,
-        split,
+        _output_layout(found, m.axes),
+        (int(k_in), int(n_out)),
     )
 
 
-def _output_layout(found: Interpretation, axes) -> ir.Value | None:
+def _output_layout(found: Interpretation, axes) -> ir.Value | None:  # noqa: ANN001
     """None for ``[t, o]``; the ``[B, S, H]`` tokens for ``[t.hi, t.lo, o]``."""
     names = [[f.var for f in a] for a in axes]
     if len(names) == 2 and names[0] == ["t"] and len(names[1]) == 1:
@@ -112,3 +212,6 @@ def _output_layout(found: Interpretation, axes) -> ir.Value | None:
                 if mv.axes[2][0].size == axes[2][0].size:
                     return v
     raise Departure(f"the layer's output is laid out {names}, not [tokens, features]")
+
+
+_ = np

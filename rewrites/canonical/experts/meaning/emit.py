@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import LayerParts
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import LayerParts, Projection
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import Interpretation
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import Act, Param, Proj
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, value_dims
@@ -30,12 +30,21 @@ from onnx_moe_fuse.rewrites.graph.facts import attr_int
 __all__ = ["write_per_slot"]
 
 
-def _weight(writer: GraphWriter, p: Proj, base: str) -> ir.Value:
-    """FC weight ``[E, K, N]`` (K-major) as a value of the graph."""
-    value = _stack_value(writer, p.weight, base)
-    if p.contracted == p.weight.feats[1]:  # output-major [E, N, K]
-        value = writer.node("Transpose", [value], f"{base}_k_major", perm=[0, 2, 1]).outputs[0]
-    return value
+def _weight(writer: GraphWriter, proj: Projection, base: str) -> ir.Value:
+    """FC weight ``[E, K, N]`` (K-major) as a value: the stack, or the experts' own stacked."""
+    if len(proj.weights) == 1 and not proj.weights[0].single:
+        value = _stack_value(writer, proj.weights[0], base)
+        if not proj.k_major:  # output-major [E, N, K]
+            value = writer.node("Transpose", [value], f"{base}_k_major", perm=[0, 2, 1]).outputs[0]
+        return value
+    parts = []
+    for e, p in enumerate(proj.weights):
+        value = _stack_value(writer, p, f"{base}_{e}")
+        if not proj.k_major:
+            value = writer.node("Transpose", [value], f"{base}_{e}_k_major", perm=[1, 0]).outputs[0]
+        axes = writer.ints(f"{base}_{e}_axes", [0])
+        parts.append(writer.node("Unsqueeze", [value, axes], f"{base}_{e}_stacked").outputs[0])
+    return writer.node("Concat", parts, f"{base}_experts", axis=0).outputs[0]
 
 
 def _stack_value(writer: GraphWriter, param: Param, base: str) -> ir.Value:
@@ -47,24 +56,30 @@ def _stack_value(writer: GraphWriter, param: Param, base: str) -> ir.Value:
     gathered = value_dims(dq.inputs[0])
     rank = len(gathered) if gathered is not None else None
     stack = const_shape(source.inputs[0]) or ()
-    attrs = {k: a for k, a in dq.attributes.items()}
+    attrs = dict(dq.attributes.items())
     if rank is not None:
         axis = attr_int(dq, "axis", 1) or 1
         axis = axis + rank if axis < 0 else axis
         attrs["axis"] = ir.Attr("axis", ir.AttributeType.INT, axis - (rank - len(stack)))
-    inputs = list(source.inputs)
-    return writer.node("DequantizeLinear", inputs, f"{base}_dq", **attrs).outputs[0]
+    return writer.node("DequantizeLinear", list(source.inputs), f"{base}_dq", **attrs).outputs[0]
 
 
-def _bias(writer: GraphWriter, p: Proj, base: str) -> list[ir.Value]:
-    if p.bias is None:
+def _bias(writer: GraphWriter, proj: Projection, base: str) -> list[ir.Value]:
+    """FC bias ``[E, N]`` as a value (none when the projection has no bias)."""
+    if proj.biases is None:
         return []
-    value = _stack_value(writer, p.bias, base)
-    shape = const_shape(p.bias.source.value) if p.bias.source.dq is None else None
-    if shape is not None and len(shape) != 2:
-        rows = writer.ints(f"{base}_shape", [shape[0], -1])
-        value = writer.node("Reshape", [value, rows], f"{base}_rows").outputs[0]
-    return [value]
+    rows = []
+    for e, b in enumerate(proj.biases):
+        value = _stack_value(writer, b, f"{base}_{e}")
+        shape = const_shape(value)
+        wanted = [1, -1] if b.single else [shape[0] if shape else -1, -1]
+        if shape is None or len(shape) != 2 or b.single:
+            target = writer.ints(f"{base}_{e}_shape", wanted)
+            value = writer.node("Reshape", [value, target], f"{base}_{e}_rows").outputs[0]
+        rows.append(value)
+    if len(rows) == 1:
+        return rows
+    return [writer.node("Concat", rows, f"{base}_experts", axis=0).outputs[0]]
 
 
 def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) -> None:
@@ -81,13 +96,13 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
             idx,
             *_bias(writer, proj, f"{base}_bias"),
         ]
-        mapped[id(proj)] = writer.node("GroupedMatMul", inputs, base).outputs[0]
+        mapped[id(proj.term)] = writer.node("GroupedMatMul", inputs, base).outputs[0]
     for old in parts.act_nodes:
         new = _copy_activation_node(writer, found, old, mapped)
         writer.stands_for.append((new, old))
     act_out = mapped[id(parts.fc2_input)]
     fc2 = parts.fc2
-    width = _feature_width(fc2)
+    width, out_width = parts.widths
     rows = writer.node("Reshape", [act_out, writer.ints("fc2_rows_shape", [-1, width])], "fc2_rows")
     row_idx = writer.node("Reshape", [idx, writer.ints("fc2_idx_shape", [-1, 1])], "fc2_row_idx")
     grouped = writer.node(
@@ -103,7 +118,7 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     k = found.k
     slots = writer.node(
         "Reshape",
-        [grouped.outputs[0], writer.ints("fc2_slots_shape", [-1, k, _out_width(fc2)])],
+        [grouped.outputs[0], writer.ints("fc2_slots_shape", [-1, k, out_width])],
         "fc2",
     )
     w3 = writer.node("Unsqueeze", [parts.weights, writer.ints("weights_axes", [-1])], "weights_3d")
@@ -130,25 +145,6 @@ def _take_over(writer: GraphWriter, old: ir.Value, new: ir.Value) -> None:
     old.name = writer.fresh("replaced_out")
     new.name = name
     new.type, new.shape = old.type, old.shape
-
-
-def _feature_width(fc2: Proj) -> int:
-    """FC2's input width K (static: the stack's shape)."""
-    shape = _stack_shape(fc2.weight)
-    k_axis = 1 if fc2.contracted == fc2.weight.feats[0] else 2
-    return shape[k_axis]
-
-
-def _out_width(fc2: Proj) -> int:
-    shape = _stack_shape(fc2.weight)
-    return shape[2] if fc2.contracted == fc2.weight.feats[0] else shape[1]
-
-
-def _stack_shape(p: Param) -> tuple[int, ...]:
-    v = p.source.value if p.source.dq is None else p.source.inputs[0]
-    shape = const_shape(v)
-    assert shape is not None and len(shape) == 3
-    return shape
 
 
 def _copy_activation_node(

@@ -1,14 +1,24 @@
-"""What indexing ops do to meanings: gathers that select experts or tokens, scatters that sum.
+"""What indexing ops do to meanings: gathers that select experts or rows, scatters that sum.
 
 * ``Gather(W, ids)`` / ``GatherND(W, ids[.., None])`` of a constant ``[E, ...]`` stack selects
   each row's expert: the expert axis is replaced by the ids' axes. ``DequantizeLinear`` of codes,
   scales and zero points gathered at the same ids is the gathered dequantized stack.
-* ``Gather(X, r)`` of the tokens along their token axis, at a row index ``r`` holding ``t``
-  (``Range(T*k) // k``, an expanded ``Range(T)``), repeats the tokens the way ``r`` is laid out.
-* ``GatherElements(scores, ids)`` of ``[T, E]`` router values are routing weights.
-* ``ScatterElements``/``ScatterND`` with ``reduction="add"`` of the weighted outputs into zeros
-  ``[T, O]`` at the rows' token index sums over the slots (``index_add_``); without a reduction
-  only at ``k = 1`` (each token written once).
+* A gather along an axis of indices ``F`` (``t``, or ``(t, j)`` flattened) at an integer index
+  holding exactly the row-major flat index of ``F`` (``Range(T*k) // k`` holds ``t``; a loop
+  branch's ``t(r)`` from ``NonZero``; ``t(r) * k + j(r)``) replaces that axis by the index's axes:
+  the same values, laid out as the index is. ``GatherND`` at index tuples does it for several
+  leading axes at once.
+* Masks: ``Equal(ids, e)`` is the mask of expert ``e``; ``OneHot(ids, E)`` all masks along an
+  ``e`` axis, one of which a Gather at a constant ``e`` picks. ``NonZero`` of expert ``e``'s
+  mask enumerates the (token, slot) pairs that chose ``e``: the filtered rows ``@e``, each with
+  its index tuple.
+* ``GatherElements(scores [T, E], ids)`` of router values are routing weights.
+* Scatters: ``ScatterElements``/``ScatterND`` with ``reduction="add"`` of the weighted outputs
+  into zeros ``[T, O]`` at the rows' token index sums over the slots (``index_add_``; without a
+  reduction only at ``k = 1``). In a loop over experts, each branch adds its expert's weighted
+  rows into the accumulator at their tokens (added, or read back, added and written: each token
+  chose an expert at most once, so no row of a branch shares a token): an
+  :class:`~.terms.ExpertSum`, the layer once every expert has its branch.
 * ``Range(0, n, 1)`` is the row index of ``n`` = ``T`` or ``T*k`` rows.
 """
 
@@ -16,30 +26,38 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,
     normalise,
     unify_axis,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
+    AccRows,
     Axis,
+    BranchUpdate,
+    Coords,
+    ExpertSum,
     Factor,
     Ids,
+    Mask,
     Meaning,
     Param,
     RowIndex,
     SlotSum,
-    Tokens,
     Weighted,
     Weights,
     WeightSource,
     axis_size,
+    filtered_expert,
+    filtered_var,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     const_shape,
     is_const,
     is_zeros,
     small_const,
+    target_dims,
     value_dims,
 )
 from onnx_moe_fuse.rewrites.graph.dims import Dim
@@ -47,30 +65,41 @@ from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value
 
 __all__ = [
+    "coords_select",
     "dequantize",
+    "equal",
     "expert_stack",
     "gather",
     "gather_elements",
     "gather_nd",
+    "nonzero",
+    "one_hot",
     "row_range",
     "scatter",
+    "single_weight",
 ]
 
 
-def expert_stack(value: ir.Value | None, experts: int) -> Meaning | None:
-    """A constant ``[E, ...]`` stack of expert weights (or a DQ of constants), unselected."""
+def _const_source(value: ir.Value | None) -> tuple[tuple[int, ...], WeightSource] | None:
+    """A constant (or a DequantizeLinear of constants): its shape and source."""
     if value is None:
         return None
-    node = value.producer()
     shape = const_shape(value)
-    source = WeightSource(value)
+    node = value.producer()
     if shape is None and node is not None and node.op_type == "DequantizeLinear":
         if not all(v is None or is_const(v) for v in node.inputs):
             return None
         shape = const_shape(node.inputs[0])
-    if shape is None or len(shape) < 2 or shape[0] != experts:
+    return None if shape is None else (shape, WeightSource(value))
+
+
+def expert_stack(value: ir.Value | None, experts: int) -> Meaning | None:
+    """A constant ``[E, ...]`` stack of expert weights (or a DQ of constants), unselected."""
+    found = _const_source(value)
+    if found is None or len(found[0]) < 2 or found[0][0] != experts:
         return None
-    name = value.name or "W"
+    shape, source = found
+    name = value.name or "W"  # type: ignore[union-attr]
     feats = tuple(f"{name}#{i}" for i in range(1, len(shape)) if shape[i] != 1)
     axes: list[Axis] = [(Factor("e", Dim.of(experts)),)]
     it = iter(feats)
@@ -79,73 +108,229 @@ def expert_stack(value: ir.Value | None, experts: int) -> Meaning | None:
     return Meaning(tuple(axes), Param(source, feats))
 
 
+def single_weight(value: ir.Value | None) -> Meaning | None:
+    """One expert's ``[K, N]`` weight: a 2-D constant, a DQ of constants, or its Transpose."""
+    perm = None
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Transpose" and const_shape(value) is None:
+        attr = node.attributes.get("perm")
+        perm = list(attr.value) if attr is not None else [1, 0]
+        value = node.inputs[0]
+    found = _const_source(value)
+    if found is None or len(found[0]) != 2:
+        return None
+    shape, source = found
+    name = value.name or "W"  # type: ignore[union-attr]
+    feats = (f"{name}#0", f"{name}#1")
+    axes = tuple((Factor(f, Dim.of(d)),) for f, d in zip(feats, shape, strict=True))
+    if perm is not None:
+        axes = tuple(axes[p] for p in perm)
+    return Meaning(axes, Param(source, feats, single=True))
+
+
 def _select(data: Meaning, ids: Meaning, axis: int) -> Meaning:
     """An expert stack gathered at the ids along its expert axis."""
     p = data.term
     assert isinstance(p, Param)
-    if p.selected or axis != 0:
+    if p.selected or p.single or axis != 0:
         raise Departure("a Gather of expert weights along other than the expert axis")
     axes = normalise((*ids.axes, *data.axes[1:]))
     return Meaning(axes, Param(p.source, p.feats, selected=True))
 
 
-def _token_rows(data: Meaning, index: Meaning, axis: int) -> Meaning:
-    """The tokens gathered along their token axis at a row index holding ``t``."""
+def _flat_coefs(axis: Axis) -> dict[str, int] | None:
+    """The row-major flat index of an axis' factors as coefficients (static strides only)."""
+    coefs: dict[str, int] = {}
+    stride = 1
+    for f in reversed(axis):
+        coefs[f.var] = stride
+        if f.size.syms:
+            stride = -1  # a stride past a symbolic factor is not a number
+        elif stride > 0:
+            stride *= f.size.coef
+    return None if any(c < 0 for c in coefs.values()) else coefs
+
+
+def _rows_at(data: Meaning, index: Meaning, axis: int) -> Meaning:
+    """``data`` gathered along ``axis`` at an index holding that axis' flat index."""
     term = index.term
     assert isinstance(term, RowIndex)
-    token_axis = data.axes[axis] if 0 <= axis < len(data.axes) else None
-    if token_axis is None or [f.var for f in token_axis] != ["t"]:
-        raise Departure("a Gather of the tokens along other than their token axis")
-    if term.coefs != (("t", 1),):
-        raise Departure(f"a Gather of the tokens at {term.text()} (expected the token index t)")
+    if not 0 <= axis < len(data.axes) or not data.axes[axis]:
+        raise Departure("a Gather along a unit axis")
+    coefs = _flat_coefs(data.axes[axis])
+    if coefs is None or dict(term.coefs) != coefs:
+        names = ", ".join(f.var for f in data.axes[axis])
+        raise Departure(
+            f"a Gather along the axis ({names}) of {data.term.text()} at {term.text()}, not "
+            "that axis' own index"
+        )
     axes = normalise((*data.axes[:axis], *index.axes, *data.axes[axis + 1 :]))
-    return Meaning(axes, Tokens())
+    return Meaning(axes, _read_back(data.term))
 
 
-def gather(node: ir.Node, data: Meaning | None, index: Meaning | None, experts: int) -> Meaning:
+def _read_back(term):  # noqa: ANN001, ANN202 - any term
+    """What rows of ``term`` hold: the same, or an accumulator's rows read back."""
+    return AccRows(term) if isinstance(term, ExpertSum) else term
+
+
+def _accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
+    """Zeros ``[T, O]`` as the empty sum of the experts' outputs (one per value)."""
+    if id(value) in ctx.zeros:
+        return ctx.zeros[id(value)]
+    dims = _zeros_dims(value)
+    if not is_zeros(value) or dims is None or len(dims) != 2 or dims[0] != ctx.tokens:
+        return None
+    m = Meaning(((Factor("t", ctx.tokens),), (Factor("o", dims[1]),)), ExpertSum(()))
+    ctx.zeros[id(value)] = m
+    return m
+
+
+def _zeros_dims(value: ir.Value) -> list[Dim] | None:
+    """The dims of a zeros tensor: its shape operand's where it is made from one."""
+    node = value.producer()
+    if node is not None and node.op_type == "ConstantOfShape":
+        return target_dims(node.inputs[0])
+    if node is not None and node.op_type == "Expand" and const_shape(node.inputs[0]) in ((), (1,)):
+        return target_dims(node.inputs[1])
+    return value_dims(value)
+
+
+def gather(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: Context) -> Meaning:
     """``Gather(data, indices, axis)``."""
     if data is None:
-        data = expert_stack(node.inputs[0], experts)
-    if data is None or index is None:
+        data = expert_stack(node.inputs[0], ctx.experts) or _accumulator(ctx, node.inputs[0])
+    if index is None:
+        return _constant_pick(node, data)
+    if data is None:
         raise Departure("a Gather of values this analysis does not describe")
-    axis = attr_int(node, "axis", 0)
+    axis = attr_int(node, "axis", 0) or 0
     axis = axis + len(data.axes) if axis < 0 else axis
     if isinstance(data.term, Param) and isinstance(index.term, Ids):
         return _select(data, index, axis)
-    if isinstance(data.term, Tokens) and isinstance(index.term, RowIndex):
-        return _token_rows(data, index, axis)
+    if isinstance(index.term, RowIndex):
+        return _rows_at(data, index, axis)
     raise Departure(f"a Gather of {data.term.text()} at {index.term.text()}")
 
 
-def gather_nd(node: ir.Node, data: Meaning | None, index: Meaning | None, experts: int) -> Meaning:
-    """``GatherND(data, indices[.., 1])`` (batch_dims 0): a Gather along axis 0."""
+def _constant_pick(node: ir.Node, data: Meaning | None) -> Meaning:
+    """A Gather at a constant: one expert's mask out of the one-hot masks, or index tuples."""
+    picked = small_const(node.inputs[1])
+    if data is None or picked is None or picked.dtype.kind not in "iu":
+        raise Departure("a Gather of values this analysis does not describe")
+    axis = attr_int(node, "axis", 0) or 0
+    axis = axis + len(data.axes) if axis < 0 else axis
+    if isinstance(data.term, Coords):
+        return coords_select(node, data, axis, picked.reshape(-1).tolist(), picked.ndim == 0)
+    vars_at = [f.var for f in data.axes[axis]] if 0 <= axis < len(data.axes) else []
+    if isinstance(data.term, Mask) and data.term.expert is None and vars_at == ["e"]:
+        if picked.ndim != 0:
+            raise Departure("a Gather of several experts' masks at once")
+        axes = (*data.axes[:axis], *data.axes[axis + 1 :])
+        return Meaning(axes, Mask(int(picked)))
+    raise Departure(f"a Gather of {data.term.text()} at a constant")
+
+
+def coords_select(
+    node: ir.Node, data: Meaning, axis: int, picked: list[int], drop: bool
+) -> Meaning:
+    """Some coordinates of index tuples along their coordinate axis."""
+    term = data.term
+    assert isinstance(term, Coords)
+    at = [i for i, a in enumerate(data.axes) if [f.var for f in a] == ["c"]]
+    if [axis] != at and not (len(term.vars) == 1 and not data.axes[axis]):
+        raise Departure(f"a {node.op_type} of index tuples along other than their coordinates")
+    chosen = tuple(term.vars[i] for i in picked)
+    if len(chosen) == 1:
+        axes = list(data.axes)
+        if drop:
+            del axes[axis]
+        else:
+            axes[axis] = ()
+        return Meaning(tuple(axes), RowIndex(((chosen[0], 1),)))
+    axes = list(data.axes)
+    axes[axis] = (Factor("c", Dim.of(len(chosen))),)
+    return Meaning(tuple(axes), Coords(chosen))
+
+
+def gather_nd(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: Context) -> Meaning:
+    """``GatherND(data, indices)`` (batch_dims 0): a gather along the leading axes."""
     if attr_int(node, "batch_dims", 0) != 0 or index is None or not index.axes:
-        raise Departure("a GatherND with batch dims, or of an undescribed index")
-    if index.axes[-1] != ():
-        raise Departure("a GatherND whose index tuples are longer than one")
-    trimmed = Meaning(index.axes[:-1], index.term)
+        raise Departure("a GatherND with batch dims, or at an undescribed index")
     if data is None:
-        data = expert_stack(node.inputs[0], experts)
+        data = expert_stack(node.inputs[0], ctx.experts) or _accumulator(ctx, node.inputs[0])
     if data is None:
         raise Departure("a GatherND of values this analysis does not describe")
-    if isinstance(data.term, Param) and isinstance(index.term, Ids):
-        return _select(data, trimmed, 0)
-    if isinstance(data.term, Tokens) and isinstance(index.term, RowIndex):
-        return _token_rows(data, trimmed, 0)
-    raise Departure(f"a GatherND of {data.term.text()} at {index.term.text()}")
+    term = index.term
+    if index.axes[-1] == () and isinstance(term, Ids | RowIndex):
+        trimmed = Meaning(index.axes[:-1], term)
+        if isinstance(data.term, Param) and isinstance(term, Ids):
+            return _select(data, trimmed, 0)
+        if isinstance(term, RowIndex):
+            return _rows_at(data, trimmed, 0)
+    if isinstance(term, Coords) and [f.var for f in index.axes[-1]] == ["c"]:
+        n = len(term.vars)
+        lead = [[f.var for f in a] for a in data.axes[:n]]
+        if lead != [[v] for v in term.vars]:
+            raise Departure(
+                f"a GatherND at index tuples ({', '.join(term.vars)}) of {data.term.text()} "
+                f"laid out {data.layout()}"
+            )
+        axes = normalise((*index.axes[:-1], *data.axes[n:]))
+        return Meaning(axes, _read_back(data.term))
+    raise Departure(f"a GatherND of {data.term.text()} at {term.text()}")
 
 
-def gather_elements(node: ir.Node, index: Meaning | None, tokens: Dim, experts: int) -> Meaning:
+def gather_elements(node: ir.Node, index: Meaning | None, ctx: Context) -> Meaning:
     """``GatherElements(scores [T, E], ids, axis=-1)``: routing weights."""
     if index is None or not isinstance(index.term, Ids):
         raise Departure("a GatherElements at other than the expert indices")
     dims = value_dims(node.inputs[0])
     axis = attr_int(node, "axis", 0)
-    if dims is None or len(dims) != 2 or axis not in (1, -1) or dims[1] != Dim.of(experts):
+    if dims is None or len(dims) != 2 or axis not in (1, -1) or dims[1] != Dim.of(ctx.experts):
         raise Departure("a GatherElements of the ids from other than [T, E] router values")
     if [[f.var for f in a] for a in index.axes] != [["t"], ["j"]]:
         raise Departure("a GatherElements at ids laid out other than [t, j]")
     return Meaning(index.axes, Weights(node.outputs[0]))
+
+
+def equal(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
+    """``Equal(ids, e)``: expert ``e``'s mask."""
+    ids = next((m for m in ins if m is not None and isinstance(m.term, Ids)), None)
+    other = next((v for v, m in zip(node.inputs, ins, strict=False) if m is None), None)
+    e = small_const(other)
+    if ids is None or e is None or e.size != 1 or e.dtype.kind not in "iu":
+        raise Departure("an Equal of the expert indices with other than one expert number")
+    expert = int(e.reshape(-1)[0])
+    if not 0 <= expert < ctx.experts:
+        raise Departure(f"an Equal of the expert indices with {expert}, not an expert")
+    return Meaning(ids.axes, Mask(expert))
+
+
+def one_hot(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
+    """``OneHot(ids, E, [0, 1])`` along a new last axis: every expert's mask."""
+    ids = ins[0]
+    depth, values = small_const(node.inputs[1]), small_const(node.inputs[2])
+    axis = attr_int(node, "axis", -1)
+    if ids is None or not isinstance(ids.term, Ids) or depth is None or values is None:
+        raise Departure("a OneHot of other than the expert indices")
+    if int(depth.reshape(-1)[0]) != ctx.experts or values.reshape(-1).tolist() != [0, 1]:
+        raise Departure("a OneHot of the ids that is not [0, 1] over the experts")
+    if axis not in (-1, len(ids.axes)):
+        raise Departure("a OneHot with its expert axis not last")
+    return Meaning((*ids.axes, (Factor("e", Dim.of(ctx.experts)),)), Mask(None))
+
+
+def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
+    """``NonZero`` of one expert's mask: ``[rank, R]`` index tuples of the pairs that chose it."""
+    if mask is None or not isinstance(mask.term, Mask) or mask.term.expert is None:
+        raise Departure("a NonZero of other than one expert's mask")
+    names = [[f.var for f in a] for a in mask.axes]
+    if sorted(names) != [["j"], ["t"]]:
+        raise Departure(f"a NonZero of an expert's mask laid out {mask.layout()}")
+    e = mask.term.expert
+    rows = Factor(filtered_var(e), Dim.sym(f"R{e}"))
+    coords = Factor("c", Dim.of(2))
+    return Meaning(((coords,), (rows,)), Coords(tuple(n[0] for n in names)))
 
 
 def dequantize(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
@@ -184,24 +369,57 @@ def row_range(node: ir.Node, tokens: Dim, k: int) -> Meaning | None:
     return None
 
 
-def scatter(node: ir.Node, ins: list[Meaning | None], tokens: Dim, k: int) -> Meaning:
-    """``ScatterElements``/``ScatterND`` of the weighted outputs into zeros at their tokens."""
+def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
+    """``ScatterElements``/``ScatterND`` of weighted outputs into zeros or an accumulator."""
     data, index, updates = ins[:3]
     reduction = attr_str(node, "reduction", "none")
-    if updates is None or not isinstance(updates.term, Weighted):
-        what = updates.term.text() if updates is not None else "an undescribed value"
-        raise Departure(f"a {node.op_type} of {what} (expected the weighted expert outputs)")
-    if reduction != "add" and not (reduction == "none" and k == 1):
+    if data is None:
+        data = _accumulator(ctx, node.inputs[0])
+    if data is None or not isinstance(data.term, ExpertSum):
+        raise Departure(f"a {node.op_type} into other than zeros or the experts' accumulated sum")
+    if updates is None:
+        raise Departure(f"a {node.op_type} of an undescribed value")
+    rows = _scatter_rows(node, index, updates)
+    total = data.term
+    width = axis_size(updates.axes[-1])
+    if axis_size(data.axes[-1]) != width:
         raise Departure(
-            f"a {node.op_type} with reduction '{reduction}': a token's slots overwrite each "
-            "other instead of adding up"
+            f"a {node.op_type} of rows {width} wide into [T, {axis_size(data.axes[-1])}]"
         )
-    if data is not None or not is_zeros(node.inputs[0]):
-        raise Departure(f"a {node.op_type} into other than zeros")
-    dims = value_dims(node.inputs[0])
-    out_width = axis_size(updates.axes[-1]) if updates.axes else None
-    if dims is None or len(dims) != 2 or dims[0] != tokens or dims[1] != out_width:
-        raise Departure(f"a {node.op_type} into zeros that are not [T, {out_width}]")
+    term = updates.term
+    filtered = [filtered_expert(v) for v in rows if filtered_expert(v) is not None]
+    if not filtered:  # every (token, slot) row at once: the per-slot combine
+        if not isinstance(term, Weighted) or total.branches:
+            raise Departure(f"a {node.op_type} of {term.text()} (expected the weighted outputs)")
+        if sorted(rows) != ["j", "t"]:
+            raise Departure(f"a {node.op_type} of rows over {sorted(rows)}, not every (t, j)")
+        if reduction != "add" and not (reduction == "none" and ctx.k == 1):
+            raise Departure(
+                f"a {node.op_type} with reduction '{reduction}': a token's slots overwrite each "
+                "other instead of adding up"
+            )
+        return Meaning(data.axes, SlotSum(term, frozenset(range(ctx.k))))
+    (e,) = filtered if len(filtered) == 1 else (None,)
+    if e is None or len(rows) != 1:
+        raise Departure(f"a {node.op_type} of rows of several experts at once")
+    if e in total.experts:
+        raise Departure(f"a {node.op_type} adding expert {e}'s rows a second time")
+    if reduction == "add" and isinstance(term, Weighted):
+        weighted = term
+    elif reduction == "none" and isinstance(term, BranchUpdate) and term.total is total:
+        weighted = term.weighted
+    else:
+        raise Departure(
+            f"a {node.op_type} (reduction '{reduction}') of {term.text()} into "
+            f"{total.text()} (expected its rows plus expert {e}'s weighted rows)"
+        )
+    if weighted.expert.expert != e:
+        raise Departure(f"a {node.op_type} of another expert's outputs at expert {e}'s rows")
+    return Meaning(data.axes, ExpertSum((*total.branches, (e, weighted))))
+
+
+def _scatter_rows(node: ir.Node, index: Meaning | None, updates: Meaning) -> list[str]:
+    """The row indices of the updates, checked against a scatter index holding their ``t``."""
     if index is None or not isinstance(index.term, RowIndex) or index.term.coefs != (("t", 1),):
         what = index.term.text() if index is not None else "an undescribed index"
         raise Departure(f"a {node.op_type} at {what} (expected each row's token index t)")
@@ -210,24 +428,14 @@ def scatter(node: ir.Node, ins: list[Meaning | None], tokens: Dim, k: int) -> Me
         if not index_axes or index_axes[-1] != ():
             raise Departure("a ScatterND whose index tuples are longer than one")
         index_axes = index_axes[:-1]
-        upd_rows = updates.axes[: len(index_axes)]
     else:
         if attr_int(node, "axis", 0) not in (0, -2):
             raise Departure("a ScatterElements along other than the token axis")
-        upd_rows = updates.axes[: len(index_axes) - 1]
         index_axes = index_axes[:-1]
-    if len(upd_rows) != len(index_axes) or len(updates.axes) != len(index_axes) + 1:
+    upd_rows = updates.axes[: len(index_axes)]
+    if len(updates.axes) != len(index_axes) + 1:
         raise Departure(f"a {node.op_type} whose updates are not rows of [R, O]")
     for ia, ua in zip(index_axes, upd_rows, strict=True):
         if unify_axis(ia, ua) is None:
             raise Departure(f"a {node.op_type} whose index rows are not the updates' rows")
-    row_vars = sorted(f.var for a in upd_rows for f in a)
-    if row_vars != ["j", "t"]:
-        raise Departure(f"a {node.op_type} of rows over {row_vars}, not every (token, slot)")
-    t = (Factor("t", tokens),)
-    return Meaning((t, updates.axes[-1]), SlotSum(updates.term, frozenset(range(k))))
-
-
-def _is_int_const(value: ir.Value | None) -> bool:
-    arr = small_const(value)
-    return arr is not None and arr.dtype.kind in "iu"
+    return [f.var for a in upd_rows for f in a]

@@ -21,14 +21,18 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning import arith, indexing, layout
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Act,
+    Coords,
+    ExpertSum,
     Factor,
     Ids,
     Meaning,
     Param,
     Proj,
+    Routing,
     RowIndex,
     SlotSum,
     Term,
@@ -197,12 +201,13 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     result.token_values = _seed_tokens(result, rows, tokens)
     for v in (ids, values, *result.token_values):
         walk.push_users(v)
-    ranges = _Ranges(tokens, k)
+    ctx = Context(tokens, k, experts)
+    ranges = _Ranges(ctx)
     while walk.heap:
         _, _, node = heapq.heappop(walk.heap)
         ins = [_input_meaning(result, v, ranges) for v in node.inputs]
         try:
-            outs = transfer(node, ins, tokens, k, experts)
+            outs = transfer(node, ins, ctx)
         except Departure as why:
             progress = max((m.term.progress for m in ins if m is not None), default=0)
             read = tuple(
@@ -216,18 +221,26 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
             if m is None:
                 continue
             _seed(result, out, m)
-            if isinstance(m.term, SlotSum) and len(m.term.slots) == k:
+            if _complete(m.term, k, experts):
                 result.output = out
                 return result
             walk.push_users(out)
     return result
 
 
+def _complete(term: Term, k: int, experts: int) -> bool:
+    """The whole layer: every slot summed, or every expert's loop branch added."""
+    if isinstance(term, SlotSum):
+        return len(term.slots) == k
+    return isinstance(term, ExpertSum) and term.experts == frozenset(range(experts))
+
+
 class _Ranges:
     """Row indices computed from ``Range`` nodes, described on demand (with their layout ops)."""
 
-    def __init__(self, tokens: Dim, k: int) -> None:
-        self.tokens, self.k = tokens, k
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.tokens, self.k = ctx.tokens, ctx.k
         self.memo: dict[int, Meaning | None] = {}
 
     def describe(self, value: ir.Value, depth: int = 0) -> Meaning | None:
@@ -244,7 +257,7 @@ class _Ranges:
                        for v in node.inputs]  # fmt: skip
                 if ins and ins[0] is not None:
                     try:
-                        outs = transfer(node, ins, self.tokens, self.k, 0)
+                        outs = transfer(node, ins, self.ctx)
                         out = outs[value.index()] if outs else None  # type: ignore[index]
                     except Departure:
                         out = None
@@ -273,9 +286,7 @@ def _input_meaning(
     return m
 
 
-def transfer(
-    node: ir.Node, ins: list[Meaning | None], tokens: Dim, k: int, experts: int
-) -> list[Meaning | None]:
+def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Meaning | None]:
     """The meanings of ``node``'s outputs from its inputs' (``Departure`` when it has none)."""
     op = node.op_type
     if op in _SHAPE_READS:
@@ -283,63 +294,139 @@ def transfer(
     if node.domain not in ("", "ai.onnx"):
         raise Departure(f"a {node.domain} op")
     first = ins[0] if ins else None
-    if op in ("Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze") and first is None:
+    if op in _LAYOUT and first is None:
         raise Departure(f"a {op} of a value this analysis does not describe")
-    if op == "Reshape":
-        target = target_dims(node.inputs[1])
-        if target is None:
-            raise Departure("a Reshape to a shape that is not known")
-        return [layout.reshape(first, target, attr_int(node, "allowzero", 0))]  # type: ignore[arg-type]
-    if op == "Flatten" and first is not None:
-        return [layout.flatten(first, attr_int(node, "axis", 1) or 0)]
-    if op == "Transpose" and first is not None:
-        perm = node.attributes.get("perm")
-        return [layout.transpose(first, list(perm.value) if perm is not None else None)]
-    if op == "Squeeze":
-        return [layout.squeeze(first, node_axes(node, 1))]  # type: ignore[arg-type]
-    if op == "Unsqueeze":
-        axes = node_axes(node, 1)
-        if axes is None:
-            raise Departure("an Unsqueeze whose axes are not constant")
-        return [layout.unsqueeze(first, axes)]  # type: ignore[arg-type]
-    if op == "Expand":
-        target = target_dims(node.inputs[1])
-        if target is None:
-            raise Departure("an Expand to a shape that is not known")
-        return [layout.expand(first, target)]  # type: ignore[arg-type]
-    if op == "Tile":
-        reps = small_const(node.inputs[1])
-        if reps is None:
-            raise Departure("a Tile whose repeats are not constant")
-        return [layout.tile(first, [int(r) for r in reps.reshape(-1)])]  # type: ignore[arg-type]
+    if op in _LAYOUT:
+        return [_layout(node, first)]  # type: ignore[arg-type]
+    if first is not None and isinstance(first.term, Coords) and op in ("Slice", "Split", "Gather"):
+        return _coords(node, first, ctx)
     if op in ("Slice", "Split") or (op == "Gather" and first is not None and _is_act(first)):
         if first is None:
             raise Departure(f"a {op} of a value this analysis does not describe")
         return [arith.feature_select(node, first, out) for out in node.outputs]
+    if op == "Equal":
+        return [indexing.equal(node, ins, ctx)]
     if op in arith.ELEMENTWISE:
         if all(m is None for m in ins):
             raise Departure(f"a {op} of values this analysis does not describe")
         return [arith.elementwise(node, ins)] + [None] * (len(node.outputs) - 1)
     if op == "MatMul":
-        return [arith.matmul(node, first, _weights_or_described(ins, node, 1, experts), k)]
+        return [arith.matmul(node, first, _weight_operand(ins, node, ctx), ctx.k)]
     if op == "GroupedMatMul":
-        w = indexing.expert_stack(node.inputs[1], experts)
-        bias = indexing.expert_stack(node.inputs[3], experts) if len(node.inputs) > 3 else None
+        w = indexing.expert_stack(node.inputs[1], ctx.experts)
+        bias = indexing.expert_stack(node.inputs[3], ctx.experts) if len(node.inputs) > 3 else None
         return [arith.grouped_matmul(node, [first, w, ins[2]], bias)]
     if op == "ReduceSum" and first is not None:
-        return [arith.reduce_sum(node, first, k)]
+        return [arith.reduce_sum(node, first, ctx.k)]
     if op == "Gather":
-        return [indexing.gather(node, first, ins[1], experts)]
+        return [indexing.gather(node, first, ins[1], ctx)]
     if op == "GatherND":
-        return [indexing.gather_nd(node, first, ins[1], experts)]
+        return [indexing.gather_nd(node, first, ins[1], ctx)]
     if op == "GatherElements":
-        return [indexing.gather_elements(node, ins[1], tokens, experts)]
+        return [indexing.gather_elements(node, ins[1], ctx)]
+    if op == "OneHot":
+        return [indexing.one_hot(node, ins, ctx)]
+    if op == "NonZero":
+        return [indexing.nonzero(node, first)]
+    if op == "Concat":
+        return [_concat_indices(node, ins)]
     if op == "DequantizeLinear":
         return [indexing.dequantize(node, ins)]
     if op in ("ScatterElements", "ScatterND"):
-        return [indexing.scatter(node, ins, tokens, k)]
-    what = ", ".join(m.term.text() for m in ins if m is not None) or "its inputs"
+        return [indexing.scatter(node, ins, ctx)]
+    described = [m for m in ins if m is not None]
+    if described and all(isinstance(m.term, Weights | Routing) for m in described):
+        return [arith.routing_value(node, described)] + [None] * (len(node.outputs) - 1)
+    what = ", ".join(m.term.text() for m in described) or "its inputs"
     raise Departure(f"{_article(op)} {op} of {what} (an op this analysis does not describe)")
+
+
+_LAYOUT = ("Reshape", "Expand", "Tile", "Squeeze", "Unsqueeze", "Flatten", "Transpose")
+
+
+def _layout(node: ir.Node, first: Meaning) -> Meaning:
+    op = node.op_type
+    if op == "Reshape":
+        target = target_dims(node.inputs[1])
+        if target is None:
+            raise Departure("a Reshape to a shape that is not known")
+        return layout.reshape(first, target, attr_int(node, "allowzero", 0) or 0)
+    if op == "Flatten":
+        return layout.flatten(first, attr_int(node, "axis", 1) or 0)
+    if op == "Transpose":
+        perm = node.attributes.get("perm")
+        return layout.transpose(first, list(perm.value) if perm is not None else None)
+    if op == "Squeeze":
+        return layout.squeeze(first, node_axes(node, 1))
+    if op == "Unsqueeze":
+        axes = node_axes(node, 1)
+        if axes is None:
+            raise Departure("an Unsqueeze whose axes are not constant")
+        return layout.unsqueeze(first, axes)
+    if op == "Expand":
+        target = target_dims(node.inputs[1])
+        if target is None:
+            raise Departure("an Expand to a shape that is not known")
+        return layout.expand(first, target)
+    reps = small_const(node.inputs[1])
+    if reps is None:
+        raise Departure("a Tile whose repeats are not constant")
+    return layout.tile(first, [int(r) for r in reps.reshape(-1)])
+
+
+def _coords(node: ir.Node, first: Meaning, ctx: Context) -> list[Meaning | None]:
+    """Slice/Split/Gather of index tuples along their coordinate axis."""
+    rank = len(first.axes)
+    if node.op_type == "Gather":
+        return [indexing.gather(node, first, None, ctx)]
+    n = len(first.term.vars)  # type: ignore[attr-defined]
+    if node.op_type == "Split":
+        axis = (attr_int(node, "axis", 0) or 0) % rank
+        sizes = small_const(node.inputs[1]) if len(node.inputs) > 1 else None
+        count = len(node.outputs)
+        counts = sizes.reshape(-1).tolist() if sizes is not None else [n // count] * count
+        outs: list[Meaning | None] = []
+        start = 0
+        for c in counts:
+            picked = list(range(start, start + int(c)))
+            outs.append(indexing.coords_select(node, first, axis, picked, False))
+            start += int(c)
+        return outs
+    axes = node_axes(node, 3)
+    starts, ends = small_const(node.inputs[1]), small_const(node.inputs[2])
+    steps = small_const(node.inputs[4]) if len(node.inputs) > 4 else None
+    if starts is None or ends is None or starts.size != 1:
+        raise Departure("a Slice of index tuples at other than constants")
+    axis = (axes[0] if axes else 0) % rank
+    step = int(steps.reshape(-1)[0]) if steps is not None else 1
+    picked = list(range(n))[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
+    return [indexing.coords_select(node, first, axis, picked, False)]
+
+
+def _concat_indices(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
+    """Index tuples put together along a unit (or coordinate) axis."""
+    if not ins or any(m is None or not isinstance(m.term, RowIndex | Coords) for m in ins):
+        raise Departure("a Concat of values other than row indices")
+    rank = len(ins[0].axes)  # type: ignore[union-attr]
+    axis = (attr_int(node, "axis", 0) or 0) % rank
+    names: list[str] = []
+    rest = None
+    for m in ins:
+        assert m is not None
+        term = m.term
+        if isinstance(term, RowIndex):
+            if len(term.coefs) != 1 or term.coefs[0][1] != 1 or m.axes[axis] != ():
+                raise Departure("a Concat of row indices that are not single index coordinates")
+            names.append(term.coefs[0][0])
+        else:
+            names.extend(term.vars)  # type: ignore[union-attr]
+        others = tuple(a for i, a in enumerate(m.axes) if i != axis)
+        if rest is not None and others != rest:
+            raise Departure("a Concat of index coordinates over different rows")
+        rest = others
+    axes = list(ins[0].axes)  # type: ignore[union-attr]
+    axes[axis] = (Factor("c", Dim.of(len(names))),)
+    return Meaning(tuple(axes), Coords(tuple(names)))
 
 
 def _article(op: str) -> str:
@@ -351,13 +438,13 @@ def _is_act(m: Meaning) -> bool:
     return isinstance(t, Act) or (isinstance(t, Proj) and t.stage == 1)
 
 
-def _weights_or_described(
-    ins: list[Meaning | None], node: ir.Node, i: int, experts: int
-) -> Meaning | None:
-    """Input ``i``'s meaning, or the expert stack it is (a MatMul by all experts' weights)."""
-    m = ins[i] if i < len(ins) else None
-    if m is None and i < len(node.inputs):
-        return indexing.expert_stack(node.inputs[i], experts)
+def _weight_operand(ins: list[Meaning | None], node: ir.Node, ctx: Context) -> Meaning | None:
+    """A MatMul's second operand: described, an expert stack, or one expert's own weight."""
+    m = ins[1] if len(ins) > 1 else None
+    if m is None and len(node.inputs) > 1:
+        return indexing.expert_stack(node.inputs[1], ctx.experts) or indexing.single_weight(
+            node.inputs[1]
+        )
     return m
 
 

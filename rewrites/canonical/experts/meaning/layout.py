@@ -102,7 +102,15 @@ def reshape(m: Meaning, target: Sequence[int | Dim], allowzero: int = 0) -> Mean
     """``Reshape(m, target)``."""
     dims = reshape_dims([axis_size(a) for a in m.axes], target, allowzero)
     if dims is None:
-        raise Departure(f"a Reshape to {[str(t) for t in target]} not provable on the input dims")
+        shown = [str(t) for t in target]
+        if any(f.var.startswith("@") for f in m.factors()) and all(
+            not t.syms for t in target if isinstance(t, Dim)
+        ):
+            raise Departure(
+                f"a Reshape to the fixed shape {shown} of rows whose number depends on the "
+                "routing (a trace specialised to its example input)"
+            )
+        raise Departure(f"a Reshape to {shown} not provable on the input dims")
     return Meaning(regroup(m.factors(), dims), m.term)
 
 

@@ -58,8 +58,14 @@ def analyse_topk(topk: ir.Node, order: dict[int, int]) -> tuple[Interpretation |
     if experts is None or len(topk.outputs) < 2:
         return None, None
     found = interpret_layer(topk, order, experts)
+    if found.tokens is None:
+        why = "a selection whose scores are not a router projection of token rows"
+        return found, DepartureAt(topk, why, 0, ())
     if found.output is None:
-        return found, found.furthest()
+        furthest = found.furthest()
+        if furthest is None:
+            return found, DepartureAt(topk, "a selection whose indices nothing reads", 1, ())
+        return found, furthest
     try:
         return found, layer_parts(found, order)
     except Departure as why:
@@ -75,6 +81,7 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
         super().__init__()
         self.refusals = refusals if refusals is not None else []
         self.only = None if only is None else frozenset(only)
+        self.rewritten: list[ir.Node] = []  # the TopKs whose layers were rewritten
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Analyse each routing TopK of the main graph; rewrite the layers that hold the contract."""
@@ -94,6 +101,7 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
                 self.refusals.append(_refusal(outcome).recorded_by(MEANING, topk))
                 continue
             write_per_slot(graph, found, outcome)  # type: ignore[arg-type]
+            self.rewritten.append(topk)
             modified = True
         if modified:
             current = int(graph.opset_imports.get("", 1))

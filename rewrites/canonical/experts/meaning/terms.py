@@ -58,6 +58,13 @@ __all__ = [
     "fresh_repeat",
     "is_repeat",
     "is_row_var",
+    "filtered_var",
+    "filtered_expert",
+    "Mask",
+    "Coords",
+    "ExpertSum",
+    "AccRows",
+    "BranchUpdate",
 ]
 
 _REPEATS = count()
@@ -94,8 +101,18 @@ def is_repeat(var: str) -> bool:
 
 
 def is_row_var(var: str) -> bool:
-    """Token, slot or repeat indices (the rest are feature indices)."""
-    return var == "j" or var == "t" or var.startswith("t.") or is_repeat(var)
+    """Token, slot, filtered-row or repeat indices (the rest are feature indices)."""
+    return var in ("j", "t") or var.startswith(("t.", "@")) or is_repeat(var)
+
+
+def filtered_var(expert: int) -> str:
+    """The index over the (token, slot) pairs that chose ``expert``, in row-major order."""
+    return f"@{expert}"
+
+
+def filtered_expert(var: str) -> int | None:
+    """The expert a filtered-row index is over (None for other indices)."""
+    return int(var[1:]) if var.startswith("@") and var[1:].isdigit() else None
 
 
 class Term:
@@ -187,11 +204,14 @@ class Param(Term):
     source: WeightSource
     feats: tuple[str, ...]
     selected: bool = False
+    single: bool = False  # one expert's own weight (no expert axis): a loop's branch
 
     progress = 1
 
     def text(self) -> str:
-        """``W[idx[t, j], a, b]`` or ``W[e, a, b]``."""
+        """``W[idx[t, j], a, b]``, ``W[e, a, b]`` or one expert's ``W[a, b]``."""
+        if self.single:
+            return f"the weight {self.source.name}[{', '.join(self.feats)}]"
         e = "idx[t, j]" if self.selected else "e"
         return f"the expert weights {self.source.name}[{', '.join((e, *self.feats))}]"
 
@@ -206,6 +226,7 @@ class Proj(Term):
     contracted: str  # the weight's feature var summed over
     out_var: str  # the weight's feature var of the output
     bias: Param | None = None
+    expert: int | None = None  # a loop branch's expert (its rows chose it), else None
 
     @property
     def progress(self) -> int:  # type: ignore[override]
@@ -260,6 +281,82 @@ class SlotSum(Term):
     def text(self) -> str:
         """``sum_j w[t, j] * FC2[t, j, o]``."""
         return f"the sum over slots {sorted(self.slots)} of w[t, j] * FC2[t, j, o]"
+
+
+@dataclass(frozen=True)
+class Mask(Term):
+    """``idx[t, j] == expert`` (or the one-hot ``idx[t, j] == e`` over an ``e`` axis: None)."""
+
+    expert: int | None
+
+    progress = 1
+
+    def text(self) -> str:
+        """``[idx[t, j] == e]``."""
+        e = "e" if self.expert is None else str(self.expert)
+        return f"the mask idx[t, j] == {e}"
+
+
+@dataclass(frozen=True)
+class Coords(Term):
+    """Index tuples along a coordinate axis ``c``: element i holds index ``vars[i]``."""
+
+    vars: tuple[str, ...]
+
+    progress = 1
+
+    def text(self) -> str:
+        """E.g. ``the index pairs (t, j)``."""
+        return f"the index tuples ({', '.join(self.vars)})"
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertSum(Term):
+    """``sum over the experts in branches of their weighted outputs`` at each row's token.
+
+    Each branch is ``(e, w[t, j] * FC2_e[t, j, o])`` over the rows that chose ``e``; complete
+    when every expert has its branch: then it is ``sum_j w[t, j] * FC2_{idx[t, j]}``.
+    """
+
+    branches: tuple[tuple[int, Weighted], ...]
+
+    progress = 6
+
+    @property
+    def experts(self) -> frozenset[int]:
+        """The experts summed so far."""
+        return frozenset(e for e, _ in self.branches)
+
+    def text(self) -> str:
+        """The experts summed."""
+        return f"the weighted outputs of experts {sorted(self.experts)} added at their tokens"
+
+
+@dataclass(frozen=True, eq=False)
+class AccRows(Term):
+    """Rows of a partial :class:`ExpertSum` read at the tokens of a loop branch's rows."""
+
+    total: ExpertSum
+
+    progress = 5
+
+    def text(self) -> str:
+        """The accumulator read back."""
+        return f"{self.total.text()}, read at a branch's tokens"
+
+
+@dataclass(frozen=True, eq=False)
+class BranchUpdate(Term):
+    """An accumulator's rows at a branch's tokens plus that branch's weighted rows."""
+
+    total: ExpertSum
+    weighted: Weighted
+
+    progress = 5
+
+    def text(self) -> str:
+        """The update a branch writes back."""
+        return f"{self.total.text()} read at expert {self.weighted.expert.expert}'s rows, plus its weighted outputs"
 
 
 @dataclass(frozen=True, eq=False)
