@@ -109,7 +109,7 @@ def _const_fits(shape: tuple[int, ...], feature: Dim) -> bool:
     return all(d == 1 for d in lead) and (last == 1 or Dim.of(last) == feature)
 
 
-def elementwise(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
+def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
     """An elementwise node's output meaning (inputs: meanings, None for constants/others)."""
     described = [m for m in ins if m is not None]
     terms = [m.term for m in described]
@@ -121,7 +121,7 @@ def elementwise(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
     if op in ("Identity", "Dropout") or (op == "Cast" and _int_like(terms)):
         return described[0]
     if all(_routing(t) for t in terms):
-        return routing_value(node, described)
+        return routing_value(node, described, k)
     if any(isinstance(t, Ids) for t in terms):
         raise Departure(f"{op} of the expert indices (they may only select experts)")
     if all(isinstance(t, RowIndex) for t in terms):
@@ -143,7 +143,7 @@ def _int_like(terms: list[Term]) -> bool:
     return bool(terms) and all(isinstance(t, Ids | RowIndex) for t in terms)
 
 
-def routing_value(node: ir.Node, described: list[Meaning]) -> Meaning:
+def routing_value(node: ir.Node, described: list[Meaning], k: int) -> Meaning:
     """A routing value: ``[T, k]`` weights where the broadcast layout is ``[t, j]``."""
     out = node.outputs[0]
     try:
@@ -152,7 +152,7 @@ def routing_value(node: ir.Node, described: list[Meaning]) -> Meaning:
             axes = broadcast_axes(axes, m.axes)
     except Departure:
         return Meaning(described[0].axes, Routing())
-    if [[f.var for f in a] for a in axes] == [["t"], ["j"]]:
+    if [[f.var for f in a] for a in axes] == ([["t"], ["j"]] if k > 1 else [["t"], []]):
         return Meaning(axes, Weights(out))
     return Meaning(axes, Routing())
 
@@ -353,7 +353,7 @@ def _single(axis: Axis, what: str) -> Factor:
     return axis[0]
 
 
-def _check_rows(axes: tuple[Axis, ...], what: str) -> int | None:
+def _check_rows(axes: tuple[Axis, ...], what: str, k: int) -> int | None:
     """Every output row meets one token and one slot, once: returns a loop branch's expert.
 
     Per-slot rows hold ``t`` and ``j`` once each (None is returned); a loop branch's rows are
@@ -367,7 +367,7 @@ def _check_rows(axes: tuple[Axis, ...], what: str) -> int | None:
         if row_vars != [filtered_var(branches[0])]:
             raise Departure(f"{what} whose rows mix a loop branch's rows with other indices")
         return branches[0]
-    if "j" not in row_vars:
+    if "j" not in row_vars and k > 1:  # at k = 1 the slot index is 0 everywhere: no axis
         raise Departure(f"{what} whose rows are not per slot")
     return None
 
@@ -378,7 +378,7 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
         raise Departure("a MatMul of a value that is not described, or of rank 1")
     ta, tb = a.term, b.term
     if isinstance(tb, Param) and tb.single:
-        return _branch_projection(a, b)
+        return _branch_projection(a, b, k_slots)
     if isinstance(tb, Param):
         if not tb.selected:
             raise Departure(
@@ -396,7 +396,7 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
             raise Departure("a MatMul contracting the tokens over other than the features")
         batch = broadcast_axes(a.axes[:-2], b.axes[:-2])
         axes = normalise((*batch, a.axes[-2], b.axes[-1]))
-        _check_rows(axes, "a projection")
+        _check_rows(axes, "a projection", k_slots)
         stage = 1 if isinstance(ta, Tokens) else 2
         return Meaning(axes, Proj(stage, ta, tb, kb.var, nb.var))
     w, y, w_first = (a, b, True) if isinstance(ta, Weights) else (b, a, False)
@@ -411,7 +411,7 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
     raise Departure(f"a MatMul of {ta.text()} and {tb.text()}")
 
 
-def _branch_projection(a: Meaning, b: Meaning) -> Meaning:
+def _branch_projection(a: Meaning, b: Meaning, k: int) -> Meaning:
     """A loop branch's rows times its expert's own ``[K, N]`` weight."""
     ta, tb = a.term, b.term
     assert isinstance(tb, Param)
@@ -422,7 +422,7 @@ def _branch_projection(a: Meaning, b: Meaning) -> Meaning:
     if ka.size != kb.size:
         raise Departure("a MatMul contracting axes of different sizes")
     axes = normalise((*a.axes[:-1], b.axes[-1]))
-    expert = _check_rows(axes, "a projection by one weight")
+    expert = _check_rows(axes, "a projection by one weight", k)
     if expert is None:
         raise Departure(
             f"a projection by the single weight {tb.source.name} of rows of every expert"
@@ -439,7 +439,9 @@ def _leaf(term: Term) -> Proj | None:
     return term.leaves[0] if isinstance(term, Act) and term.leaves else None
 
 
-def grouped_matmul(node: ir.Node, ins: list[Meaning | None], bias: Meaning | None) -> Meaning:
+def grouped_matmul(
+    node: ir.Node, ins: list[Meaning | None], bias: Meaning | None, k: int
+) -> Meaning:
     """``GroupedMatMul(in [M, K], W [E, K, N], idx [M, S] (, b [E, N]))``."""
     a, w, idx = ins[:3]
     if a is None or w is None or idx is None or not isinstance(idx.term, Ids):
@@ -456,7 +458,7 @@ def grouped_matmul(node: ir.Node, ins: list[Meaning | None], bias: Meaning | Non
     if k_in.size != w.axes[1][0].size:
         raise Departure("a GroupedMatMul contracting axes of different sizes")
     axes = normalise((*rows, idx.axes[1], w.axes[2]))
-    _check_rows(axes, "a GroupedMatMul")
+    _check_rows(axes, "a GroupedMatMul", k)
     selected = Param(w.term.source, w.term.feats, selected=True)
     b = None
     if bias is not None:
@@ -478,6 +480,8 @@ def reduce_sum(node: ir.Node, m: Meaning, k_slots: int) -> Meaning:
     out = [() if i in axes and keep else a for i, a in enumerate(m.axes) if keep or i not in axes]
     if isinstance(m.term, Weights | Routing):
         return Meaning(tuple(out), Routing())
+    if all(not m.axes[i] for i in axes):  # only unit axes: the same values, relaid
+        return Meaning(normalise(out), m.term)
     if not isinstance(m.term, Weighted):
         raise Departure(f"a ReduceSum of {m.term.text()}")
     summed = [m.axes[i] for i in axes if m.axes[i]]

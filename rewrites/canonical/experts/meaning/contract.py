@@ -161,6 +161,8 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         raise Departure("no value holds the sum over every slot of the weighted expert outputs")
     if isinstance(m.term, SlotSum):
         branches = [_branch(m.term.inner, order)]
+    elif isinstance(m.term, Weighted):  # k = 1: the one slot
+        branches = [_branch(m.term, order)]
     elif isinstance(m.term, ExpertSum):
         by_expert = dict(m.term.branches)
         branches = [_branch(by_expert[e], order) for e in sorted(by_expert)]

@@ -391,7 +391,7 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if not filtered:  # every (token, slot) row at once: the per-slot combine
         if not isinstance(term, Weighted) or total.branches:
             raise Departure(f"a {node.op_type} of {term.text()} (expected the weighted outputs)")
-        if sorted(rows) != ["j", "t"]:
+        if sorted(rows) != ["j", "t"] and not (ctx.k == 1 and rows == ["t"]):
             raise Departure(f"a {node.op_type} of rows over {sorted(rows)}, not every (t, j)")
         if reduction != "add" and not (reduction == "none" and ctx.k == 1):
             raise Departure(

@@ -194,7 +194,7 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     if k <= 0 or row_dims is None or len(row_dims) != 2:
         return result
     tokens = row_dims[0]
-    tj = ((Factor("t", tokens),), (Factor("j", Dim.of(k)),))
+    tj = layout.normalise(((Factor("t", tokens),), (Factor("j", Dim.of(k)),)))
     _seed(result, ids, Meaning(tj, Ids()))
     _seed(result, values, Meaning(tj, Weights(values)))
     walk = _Walk(topk, order)
@@ -203,6 +203,8 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
         walk.push_users(v)
     ctx = Context(tokens, k, experts)
     ranges = _Ranges(ctx)
+    departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from
+    furthest: tuple[int, ir.Value] | None = None  # the value furthest along the layer
     while walk.heap:
         _, _, node = heapq.heappop(walk.heap)
         ins = [_input_meaning(result, v, ranges) for v in node.inputs]
@@ -215,23 +217,91 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
                 for v, m in zip(node.inputs, ins, strict=False)
                 if v is not None and m is not None
             )
-            result.departures.append(DepartureAt(node, str(why), progress, read))
+            here = DepartureAt(node, str(why), progress, read)
+            root = _root_departure(node, ins, departed)
+            if root is not None:  # an input departed earlier: that node is where it began
+                here = DepartureAt(root.node, root.reason, max(progress, root.progress), root.read)
+            departed[id(node)] = here
+            result.departures.append(here)
             continue
         for out, m in zip(node.outputs, outs, strict=False):
             if m is None:
                 continue
             _seed(result, out, m)
-            if _complete(m.term, k, experts):
+            if _complete(m.term, k, experts) and _token_layout(m):
                 result.output = out
                 return result
+            if furthest is None or m.term.progress > furthest[0]:
+                furthest = (m.term.progress, out)
             walk.push_users(out)
+    unfinished = _unfinished(result, furthest, k, experts)
+    if unfinished is not None:
+        result.departures.append(unfinished)
     return result
+
+
+def _root_departure(
+    node: ir.Node, ins: list[Meaning | None], departed: dict[int, DepartureAt]
+) -> DepartureAt | None:
+    """The departure an undescribed input of ``node`` stems from (a few producers up), if any."""
+    todo = [v for v, m in zip(node.inputs, ins, strict=False) if v is not None and m is None]
+    for _ in range(16):
+        if not todo:
+            return None
+        producer = todo.pop(0).producer()
+        if producer is None:
+            continue
+        if id(producer) in departed:
+            return departed[id(producer)]
+        todo.extend(v for v in producer.inputs if v is not None and not is_const(v))
+    return None
+
+
+def _unfinished(
+    result: Interpretation, furthest: tuple[int, ir.Value] | None, k: int, experts: int
+) -> DepartureAt | None:
+    """A departure for the walk's furthest value when nothing consumed it into the layer."""
+    if furthest is None:
+        return None
+    progress, value = furthest
+    best = max((d.progress for d in result.departures), default=-1)
+    node = value.producer()
+    m = result.meaning(value)
+    if node is None or m is None or progress < best:
+        return None
+    term = m.term
+    if isinstance(term, ExpertSum):
+        missing = sorted(set(range(experts)) - term.experts)
+        why = (
+            f"{term.text()}, but experts {missing} have no branch (a trace of a loop over only "
+            "the experts its example input chose?)"
+        )
+    elif isinstance(term, SlotSum):
+        missing = sorted(set(range(k)) - term.slots)
+        why = f"{term.text()}, but slots {missing} are never added"
+    elif _complete(term, k, experts):
+        why = f"the whole layer laid out {m.layout()}, never laid out as the tokens"
+    else:
+        why = f"{term.text()}, which nothing takes further"
+    return DepartureAt(node, why, progress, (f"'{value.name}' = {m.text()}",))
+
+
+def _token_layout(m: Meaning) -> bool:
+    """Laid out ``[tokens, features]`` (the layer output's layouts)."""
+    names = [[f.var for f in a] for a in m.axes]
+    return (
+        len(names[-1:]) == 1
+        and len(names[-1]) == 1
+        and names[:-1] in ([["t"]], [["t.hi"], ["t.lo"]])
+    )
 
 
 def _complete(term: Term, k: int, experts: int) -> bool:
     """The whole layer: every slot summed, or every expert's loop branch added."""
     if isinstance(term, SlotSum):
         return len(term.slots) == k
+    if isinstance(term, Weighted) and k == 1:  # one slot: its weighted output is the sum
+        return True
     return isinstance(term, ExpertSum) and term.experts == frozenset(range(experts))
 
 
@@ -298,6 +368,10 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         raise Departure(f"a {op} of a value this analysis does not describe")
     if op in _LAYOUT:
         return [_layout(node, first)]  # type: ignore[arg-type]
+    described = [m for m in ins if m is not None]
+    if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
+        if described and all(isinstance(m.term, Weights | Routing) for m in described):
+            return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
     if first is not None and isinstance(first.term, Coords) and op in ("Slice", "Split", "Gather"):
         return _coords(node, first, ctx)
     if op in ("Slice", "Split") or (op == "Gather" and first is not None and _is_act(first)):
@@ -309,13 +383,13 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op in arith.ELEMENTWISE:
         if all(m is None for m in ins):
             raise Departure(f"a {op} of values this analysis does not describe")
-        return [arith.elementwise(node, ins)] + [None] * (len(node.outputs) - 1)
+        return [arith.elementwise(node, ins, ctx.k)] + [None] * (len(node.outputs) - 1)
     if op == "MatMul":
         return [arith.matmul(node, first, _weight_operand(ins, node, ctx), ctx.k)]
     if op == "GroupedMatMul":
         w = indexing.expert_stack(node.inputs[1], ctx.experts)
         bias = indexing.expert_stack(node.inputs[3], ctx.experts) if len(node.inputs) > 3 else None
-        return [arith.grouped_matmul(node, [first, w, ins[2]], bias)]
+        return [arith.grouped_matmul(node, [first, w, ins[2]], bias, ctx.k)]
     if op == "ReduceSum" and first is not None:
         return [arith.reduce_sum(node, first, ctx.k)]
     if op == "Gather":
@@ -334,9 +408,8 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         return [indexing.dequantize(node, ins)]
     if op in ("ScatterElements", "ScatterND"):
         return [indexing.scatter(node, ins, ctx)]
-    described = [m for m in ins if m is not None]
     if described and all(isinstance(m.term, Weights | Routing) for m in described):
-        return [arith.routing_value(node, described)] + [None] * (len(node.outputs) - 1)
+        return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
     what = ", ".join(m.term.text() for m in described) or "its inputs"
     raise Departure(f"{_article(op)} {op} of {what} (an op this analysis does not describe)")
 

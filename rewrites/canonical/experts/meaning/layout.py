@@ -161,12 +161,11 @@ def expand(m: Meaning, target: Sequence[Dim]) -> Meaning:
     out: list[Axis] = []
     for axis, d in zip(axes, dims, strict=True):
         size = axis_size(axis)
-        if d == ONE or d == size:
+        if size != ONE or d == ONE:
+            # a valid model broadcasts a non-unit axis only to itself (the target is 1 or it)
             out.append(axis)
-        elif size == ONE:
-            out.append((fresh_repeat(d),))
         else:
-            raise Departure(f"an Expand of an axis of size {size} to {d}")
+            out.append((fresh_repeat(d),))
     return Meaning(normalise(out), m.term)
 
 
