@@ -23,6 +23,7 @@ from onnx_moe_fuse.rewrites.graph.facts import escape_from, escape_where, value_
 from onnx_moe_fuse.rewrites.graph.refusals import (
     DENSE_EXPERTS,
     EXPERT_LOOP,
+    MEANING,
     SORTED_EXPERTS,
     NearMiss,
     Refusal,
@@ -304,7 +305,7 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
     router = router_near_miss(topk) if selects or "ScatterElements" in uses else None
     # a router fed as its selection and weights fuses where its experts do: a canonical pass's
     # record of why it left this layer (weights not constant, ...) says more
-    passes_said = any(r.topk is topk for r in refusals)
+    passes_said = any(r.topk is topk and r.stage != MEANING for r in refusals)
     if router is not None and not passes_said:
         return router, False
     if "argsort" in uses:

@@ -270,6 +270,8 @@ def _unfinished(
     if node is None or m is None or progress < best:
         return None
     term = m.term
+    if progress == best and not isinstance(term, ExpertSum | SlotSum):
+        return None  # a departure at this stage says more
     if isinstance(term, ExpertSum):
         missing = sorted(set(range(experts)) - term.experts)
         why = (

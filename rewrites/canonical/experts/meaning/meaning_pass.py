@@ -92,8 +92,10 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
             if n.op_type == "TopK" and (self.only is None or n.outputs[0].name in self.only)
         ]
         modified = False
+        order: dict[int, int] = {}
         for topk in topks:
-            order = {id(n): i for i, n in enumerate(graph)}
+            if not order:  # graph positions, again after each rewrite (it adds nodes)
+                order = {id(n): i for i, n in enumerate(graph)}
             found, outcome = analyse_topk(topk, order)
             if found is None or outcome is None:
                 continue
@@ -103,6 +105,7 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
             write_per_slot(graph, found, outcome)  # type: ignore[arg-type]
             self.rewritten.append(topk)
             modified = True
+            order = {}
         if modified:
             current = int(graph.opset_imports.get("", 1))
             graph.opset_imports[""] = max(current, GROUPED_MATMUL_OPSET)
