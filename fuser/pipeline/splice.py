@@ -17,7 +17,8 @@ replacing exactly the proved region, so everything outside fused layers stays as
 3. **Escapes.** A region value used outside the region may stay when it is upstream of the
    experts, i.e. does not depend on the tokens (the router Softmax of gpt-oss blocks, which is
    also a graph output; dequantized weights another node also reads): the nodes computing it are
-   kept. An escaping value that depends on the tokens is refused, naming it.
+   kept, and so is a layout of the tokens alone (the flattened rows the router reads too).
+   Any other escaping value that depends on the tokens is refused, naming it.
 4. **Splice.** Insert the copies before the region's last node, move every use of the replaced
    value (graph outputs included) to the fused output, remove the region less what was kept,
    drop initializers only the removed nodes read, and give the fused output the old name.
@@ -270,6 +271,28 @@ def _check_kept_inputs(region: dict[int, ir.Node], keep: set[int]) -> None:
                 )
 
 
+#: Ops that only lay out the tokens: a value they make from the tokens alone (the flattened
+#: rows the router reads too) may stay for its other users; it is no part of the experts' work.
+_TOKEN_LAYOUT = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+
+
+#: Shape arithmetic (a Reshape target computed from the tokens' Shape): no data of its own.
+_SHAPE_ARITHMETIC = frozenset(
+    {"Shape", "Size", "Constant", "Concat", "Gather", "Slice", "Cast", "Squeeze", "Unsqueeze",
+     "Mul", "Div", "Add", "Sub", "ReduceProd", "Identity"}
+)  # fmt: skip
+
+
+def _prelude_node(node: ir.Node) -> bool:
+    """A layout of the tokens, or integer shape arithmetic feeding one."""
+    if node.op_type == "Constant" or (node.op_type in _TOKEN_LAYOUT and node.op_type != "Identity"):
+        return True
+    ints = (ir.DataType.INT64, ir.DataType.INT32)
+    return node.op_type in _SHAPE_ARITHMETIC and all(
+        o.dtype in ints or node.op_type in ("Shape", "Size") for o in node.outputs
+    )
+
+
 def _kept(
     g: nx.DiGraph, region: dict[int, ir.Node], output: ir.Value, tokens: ir.Value | None
 ) -> set[int]:
@@ -288,7 +311,10 @@ def _kept(
                 else f"used by {outside[0].op_type} '{_label(outside[0])}' outside the layer"
             )
             ancestors = nx.ancestors(g, ("n", id(node)))
-            if tokens is not None and ("v", id(tokens)) in ancestors:
+            prelude = node.op_type in _TOKEN_LAYOUT and all(
+                _prelude_node(region[i]) for kind, i in ancestors if kind == "n"
+            )
+            if tokens is not None and ("v", id(tokens)) in ancestors and not prelude:
                 raise Refusal(
                     f"an intermediate value escapes the layer: '{out.name}' ({node.op_type} "
                     f"'{_label(node)}') is also {where}, and it depends on the expert "

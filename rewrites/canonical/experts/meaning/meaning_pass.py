@@ -96,7 +96,11 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
         for topk in topks:
             if not order:  # graph positions, again after each rewrite (it adds nodes)
                 order = {id(n): i for i, n in enumerate(graph)}
-            found, outcome = analyse_topk(topk, order)
+            try:
+                found, outcome = analyse_topk(topk, order)
+            except Exception:  # noqa: BLE001 - a graph the analysis cannot read: no rewrite
+                # (it only reads the graph, so nothing is half-done; the layer stays as it is)
+                continue
             if found is None or outcome is None:
                 continue
             if isinstance(outcome, DepartureAt):
