@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import dense
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,
     broadcast_axes,
@@ -28,8 +29,10 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Act,
     Axis,
     BranchUpdate,
+    DenseWeights,
     Factor,
     Ids,
+    Mask,
     Meaning,
     Param,
     Proj,
@@ -132,7 +135,8 @@ def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
     if all(_is_expert(t) for t in terms):
         return _activation(node, ins)
     if op == "Mul" and len(described) == 2:
-        return _weighted(described)
+        product = dense.dense_product(described)
+        return product if product is not None else _weighted(described)
     if op in ("Add", "Sum") and len(described) == 2:
         return _added(described)
     kinds = ", ".join(t.text() for t in terms)
@@ -140,7 +144,7 @@ def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
 
 
 def _int_like(terms: list[Term]) -> bool:
-    return bool(terms) and all(isinstance(t, Ids | RowIndex) for t in terms)
+    return bool(terms) and all(isinstance(t, Ids | RowIndex | Mask) for t in terms)
 
 
 def routing_value(node: ir.Node, described: list[Meaning], k: int) -> Meaning:
@@ -300,7 +304,11 @@ def _added(described: list[Meaning]) -> Meaning:
     a, b = described
     if isinstance(b.term, Proj):
         a, b = b, a
-    if isinstance(a.term, Proj) and isinstance(b.term, Param) and b.term.selected:
+    if (
+        isinstance(a.term, Proj)
+        and isinstance(b.term, Param)
+        and (b.term.selected or dense.is_dense(a))
+    ):
         if a.term.bias is not None:
             raise Departure("a second bias added to a projection")
         if len(b.term.feats) != 1 or not b.axes or len(b.axes[-1]) != 1:
@@ -362,6 +370,12 @@ def _check_rows(axes: tuple[Axis, ...], what: str, k: int) -> int | None:
     row_vars = [f.var for a in axes for f in a if is_row_var(f.var) and not is_repeat(f.var)]
     if len(row_vars) != len(set(row_vars)):
         raise Departure(f"{what} in which each row meets every token's expert (not per slot)")
+    if "e" in row_vars:  # a dense form: every expert's output for every token
+        if "t" not in row_vars and not any(v.startswith("t.") for v in row_vars):
+            raise Departure(f"{what} of every expert whose rows are not the tokens")
+        if "j" in row_vars:
+            raise Departure(f"{what} of every expert and of the slots at once")
+        return None
     branches = [filtered_expert(v) for v in row_vars if filtered_expert(v) is not None]
     if branches:
         if row_vars != [filtered_var(branches[0])]:
@@ -380,11 +394,6 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
     if isinstance(tb, Param) and tb.single:
         return _branch_projection(a, b, k_slots)
     if isinstance(tb, Param):
-        if not tb.selected:
-            raise Departure(
-                f"a MatMul by every expert's weights {tb.source.name} at once (a dense "
-                "all-experts form)"
-            )
         if not isinstance(ta, Tokens) and not _is_expert(ta):
             raise Departure(f"a MatMul of {ta.text()} by expert weights")
         ka = _single(a.axes[-1], "a MatMul contracting")
@@ -399,6 +408,12 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
         _check_rows(axes, "a projection", k_slots)
         stage = 1 if isinstance(ta, Tokens) else 2
         return Meaning(axes, Proj(stage, ta, tb, kb.var, nb.var))
+    if isinstance(ta, DenseWeights) and isinstance(tb, Proj) and dense.is_dense(b):
+        if not ta.summed or _single(a.axes[-1], "a combine").var != "e" or b.axes[-2] != a.axes[-1]:
+            raise Departure("a MatMul of the dense weights and FC2 that does not sum over experts")
+        batch = broadcast_axes(a.axes[:-2], b.axes[:-2])
+        axes = normalise((*batch, a.axes[-2], b.axes[-1]))
+        return Meaning(axes, SlotSum(Weighted(ta.weights, tb), frozenset(range(k_slots))))
     w, y, w_first = (a, b, True) if isinstance(ta, Weights) else (b, a, False)
     if isinstance(w.term, Weights) and isinstance(y.term, Proj) and y.term.stage == 2:
         left, right = (w, y) if w_first else (y, w)
@@ -480,6 +495,9 @@ def reduce_sum(node: ir.Node, m: Meaning, k_slots: int) -> Meaning:
     out = [() if i in axes and keep else a for i, a in enumerate(m.axes) if keep or i not in axes]
     if isinstance(m.term, Weights | Routing):
         return Meaning(tuple(out), Routing())
+    by_expert = dense.summed_over_experts(m, [m.axes[i] for i in axes if m.axes[i]], out, k_slots)
+    if by_expert is not None:
+        return by_expert
     if all(not m.axes[i] for i in axes):  # only unit axes: the same values, relaid
         return Meaning(normalise(out), m.term)
     if not isinstance(m.term, Weighted):

@@ -87,7 +87,7 @@ def stack_shape(p: Param) -> tuple[int, ...] | None:
 def _check_param(p: Param, what: str, feats: int) -> tuple[int, ...]:
     shape = stack_shape(p)
     wide = None if shape is None else [d for d in shape[(0 if p.single else 1) :] if d != 1]
-    if not (p.selected or p.single) or len(p.feats) != feats or wide is None or len(wide) != feats:
+    if len(p.feats) != feats or wide is None or len(wide) != feats:
         raise Departure(f"{what} {p.text()} is not a constant per-expert weight")
     if feats == 2 and len(shape) != (2 if p.single else 3):  # type: ignore[arg-type]
         raise Departure(f"{what} {p.text()} is not a constant [E, K, N] stack")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning import arith, indexing, layout
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import arith, dense, indexing, layout
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
@@ -43,6 +43,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     const_shape,
     is_const,
+    is_zeros,
     small_const,
     target_dims,
     value_dims,
@@ -409,7 +410,8 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op == "DequantizeLinear":
         return [indexing.dequantize(node, ins)]
     if op in ("ScatterElements", "ScatterND"):
-        return [indexing.scatter(node, ins, ctx)]
+        weights = dense.scattered_weights(node, ins, ins[0] is None and is_zeros(node.inputs[0]))
+        return [weights if weights is not None else indexing.scatter(node, ins, ctx)]
     if described and all(isinstance(m.term, Weights | Routing) for m in described):
         return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
     what = ", ".join(m.term.text() for m in described) or "its inputs"

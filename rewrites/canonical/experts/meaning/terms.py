@@ -65,6 +65,7 @@ __all__ = [
     "ExpertSum",
     "AccRows",
     "BranchUpdate",
+    "DenseWeights",
 ]
 
 _REPEATS = count()
@@ -102,7 +103,7 @@ def is_repeat(var: str) -> bool:
 
 def is_row_var(var: str) -> bool:
     """Token, slot, filtered-row or repeat indices (the rest are feature indices)."""
-    return var in ("j", "t") or var.startswith(("t.", "@")) or is_repeat(var)
+    return var in ("j", "t", "e") or var.startswith(("t.", "@")) or is_repeat(var)
 
 
 def filtered_var(expert: int) -> str:
@@ -261,6 +262,7 @@ class Weighted(Term):
 
     weights: Weights
     expert: Proj
+    dense: bool = False  # every expert's output, weighted by w scattered to [T, E]
 
     progress = 5
 
@@ -343,6 +345,24 @@ class AccRows(Term):
     def text(self) -> str:
         """The accumulator read back."""
         return f"{self.total.text()}, read at a branch's tokens"
+
+
+@dataclass(frozen=True, eq=False)
+class DenseWeights(Term):
+    """``sum_j w[t, j] * [idx[t, j] == e]``: the weights scattered to every expert.
+
+    Not ``summed``: still per slot, ``w[t, j] * [idx[t, j] == e]``.
+    """
+
+    weights: Weights
+    summed: bool
+
+    progress = 1
+
+    def text(self) -> str:
+        """The dense weights."""
+        what = "sum_j " if self.summed else ""
+        return f"the weights {what}w[t, j] * [idx[t, j] == e] of every expert"
 
 
 @dataclass(frozen=True, eq=False)

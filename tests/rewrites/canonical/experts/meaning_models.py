@@ -216,3 +216,32 @@ def loop_layer(trap: str | None = None, seed: int = 0, k: int = 2) -> onnx.Model
         y = g.op("Gemm", [a, g.w(H, INTER)], transB=1)
         acc = g.op("ScatterND", [acc, t1, g.op("Add", [current, g.op("Mul", [weight, y])])])
     return g.model(acc, opset=18)
+
+
+DENSE_TRAPS = (
+    "first_slot_only",  # the dense weights of slot 0 alone: the other slots' experts dropped
+    "sum_over_tokens",  # the weighted outputs summed over the tokens, not the experts
+)
+
+
+def dense_layer(trap: str | None = None, seed: int = 0, k: int = 2) -> onnx.ModelProto:
+    """Every expert on every token (a stacked ``[E, H, N]`` MatMul), masked by one-hot weights."""
+    g = _G(seed)
+    w, ids = _router(g, k)
+    h = g.op("MatMul", ["x", g.w(EXPERTS, H, 2 * INTER)])  # [E, T, 2I]
+    gate, up = g.op("Split", [h, g.c(np.array([INTER, INTER]))], 2, axis=-1)
+    y = g.op("MatMul", [g.op("Mul", [_silu_by_hand(g, gate), up]), g.w(EXPERTS, INTER, H)])
+    onehot = g.op("OneHot", [ids, g.c(np.array(EXPERTS)), g.c(np.array([0.0, 1.0], np.float32))])
+    masked = g.op("Mul", [onehot, g.op("Unsqueeze", [w, g.c(np.array([-1]))])])  # [T, k, E]
+    if trap == "first_slot_only":
+        c = g.op("Gather", [masked, g.c(np.array(0))], axis=1)  # slot 0's weight alone
+    else:
+        c = g.op("ReduceSum", [masked, g.c(np.array([1]))], keepdims=0)  # [T, E]
+    per_expert = g.op("Unsqueeze", [g.op("Transpose", [c], perm=[1, 0]), g.c(np.array([-1]))])
+    weighted = g.op("Mul", [y, per_expert])  # [E, T, H]
+    axis = 1 if trap == "sum_over_tokens" else 0
+    out = g.op("ReduceSum", [weighted, g.c(np.array([axis]))], keepdims=0)
+    if trap == "sum_over_tokens":
+        out = g.op("Expand", [g.op("Unsqueeze", [out, g.c(np.array([0]))]), g.op("Shape", ["x"])])
+        out = g.op("Identity", [out])
+    return g.model(out, opset=18)

@@ -22,10 +22,12 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import analys
 from onnx_moe_fuse.samples.registry import all_samples
 from tests.rewrites.canonical.experts.meaning_models import (
     COMBINES,
+    DENSE_TRAPS,
     FLAT_TRAPS,
     LOOP_TRAPS,
     ROWS,
     H,
+    dense_layer,
     flat_layer,
     loop_layer,
 )
@@ -136,3 +138,22 @@ def test_fast_paths_agree_with_the_analysis() -> None:
             assert parts.topk is topk
             checked += 1
     assert checked >= 30
+
+
+def _parts(model: onnx.ModelProto):
+    work = ir.from_proto(model)
+    canonicalise(work)
+    order = {id(n): i for i, n in enumerate(work.graph)}
+    topk = next(n for n in work.graph if n.op_type == "TopK")
+    return analyse_topk(topk, order)[1]
+
+
+def test_dense_layer_is_the_contract_and_fuses() -> None:
+    assert isinstance(_parts(dense_layer(seed=9)), LayerParts)
+    _assert_fuses(dense_layer(seed=9), seed=9)
+
+
+@pytest.mark.parametrize("trap", DENSE_TRAPS)
+def test_dense_traps_refused(trap: str) -> None:
+    assert not isinstance(_parts(dense_layer(trap=trap, seed=10)), LayerParts)
+    _assert_refused(dense_layer(trap=trap, seed=10))
