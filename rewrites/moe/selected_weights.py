@@ -49,7 +49,7 @@ SLOT, ROW, CONSTANT = "slot", "row", "constant"
 _LAYOUT = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 _REDUCE = frozenset({"ReduceSum", "ReduceMax", "ReduceMin", "ReduceMean"})
 _POSITIVE = frozenset({"Sigmoid", "Softmax", "Exp", "Softplus"})
-_NONNEG_UNARY = frozenset({"Relu", "Abs", "Sqrt"})
+_NONNEG_UNARY = frozenset({"Relu", "Abs", "Sqrt", "ReduceL1", "ReduceL2", "ReduceSumSquare"})
 _PASS_SIGN = frozenset(
     {"Cast", "CastLike", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand",
      "Transpose", "Tile", "Slice", "Gather", "GatherElements", "GatherND", "Concat", "Split",

@@ -30,6 +30,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Axis,
     BranchUpdate,
     DenseWeights,
+    ExpertSum,
     Factor,
     Ids,
     Mask,
@@ -53,6 +54,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     const_shape,
     is_const,
+    is_zeros,
     small_const,
 )
 from onnx_moe_fuse.rewrites.graph.dims import Dim
@@ -118,6 +120,9 @@ def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
     terms = [m.term for m in described]
     op = node.op_type
     foreign = [v for v, m in zip(node.inputs, ins, strict=False) if m is None and v is not None]
+    if op == "Add" and len(described) == 1 and isinstance(terms[0], ExpertSum):
+        if len(foreign) == 1 and is_zeros(foreign[0]):  # the accumulator started from zeros
+            return described[0]
     if any(not is_const(v) for v in foreign):
         name = next(v.name for v in foreign if not is_const(v))
         raise Departure(f"{op} with '{name}', a value this analysis does not describe")
@@ -328,6 +333,13 @@ def _added(described: list[Meaning]) -> Meaning:
         # the output features are the accumulator's: the same columns, named by it
         axes = broadcast_axes(acc.axes, (*part.axes[:-1], acc.axes[-1]))
         return Meaning(axes, BranchUpdate(acc.term.total, part.term))  # type: ignore[attr-defined]
+    if isinstance(a.term, ExpertSum) and isinstance(b.term, ExpertSum):
+        if a.term.experts & b.term.experts:
+            raise Departure("a sum of two accumulators holding the same expert's rows")
+        if not a.axes or not b.axes or axis_size(a.axes[-1]) != axis_size(b.axes[-1]):
+            raise Departure("a sum of accumulators of different widths")
+        axes = broadcast_axes(a.axes, (*b.axes[:-1], a.axes[-1]))
+        return Meaning(axes, ExpertSum((*a.term.branches, *b.term.branches)))
     if isinstance(a.term, SlotSum) and isinstance(b.term, SlotSum):
         if a.term.inner.expert is not b.term.inner.expert or a.term.slots & b.term.slots:
             raise Departure("a sum of slot sums of other experts' outputs, or of a slot twice")

@@ -164,8 +164,8 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     elif isinstance(m.term, Weighted):  # k = 1: the one slot
         branches = [_branch(m.term, order)]
     elif isinstance(m.term, ExpertSum):
-        by_expert = dict(m.term.branches)
-        branches = [_branch(by_expert[e], order) for e in sorted(by_expert)]
+        by_expert = dict(m.term.branches)  # past E: rows no token has (ids < E), dropped
+        branches = [_branch(by_expert[e], order) for e in sorted(by_expert) if e < found.experts]
         first = _signature(branches[0], found)
         for e, b in enumerate(branches[1:], start=1):
             if _signature(b, found) != first:

@@ -29,6 +29,7 @@ import onnx_ir as ir
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,
+    broadcast_axes,
     normalise,
     unify_axis,
 )
@@ -298,10 +299,18 @@ def equal(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     ids = next((m for m in ins if m is not None and isinstance(m.term, Ids)), None)
     other = next((v for v, m in zip(node.inputs, ins, strict=False) if m is None), None)
     e = small_const(other)
+    if ids is not None and e is not None and e.ndim >= 1 and e.size > 1:
+        # the ids against arange(D) along an axis of their own: every expert's mask at once
+        depth = e.size
+        if e.reshape(-1).tolist() != list(range(depth)) or any(d != 1 for d in e.shape[:-1]):
+            raise Departure("an Equal of the expert indices with other than the expert numbers")
+        _check_depth(depth, ctx)
+        axes = broadcast_axes(ids.axes, ((Factor("e", Dim.of(depth)),),))
+        return Meaning(axes, Mask(None))
     if ids is None or e is None or e.size != 1 or e.dtype.kind not in "iu":
         raise Departure("an Equal of the expert indices with other than one expert number")
     expert = int(e.reshape(-1)[0])
-    if not 0 <= expert < ctx.experts:
+    if not 0 <= expert < 2 * ctx.experts:
         raise Departure(f"an Equal of the expert indices with {expert}, not an expert")
     return Meaning(ids.axes, Mask(expert))
 
@@ -313,11 +322,19 @@ def one_hot(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     axis = attr_int(node, "axis", -1)
     if ids is None or not isinstance(ids.term, Ids) or depth is None or values is None:
         raise Departure("a OneHot of other than the expert indices")
-    if int(depth.reshape(-1)[0]) != ctx.experts or values.reshape(-1).tolist() != [0, 1]:
+    if values.reshape(-1).tolist() != [0, 1]:
         raise Departure("a OneHot of the ids that is not [0, 1] over the experts")
+    size = int(depth.reshape(-1)[0])
+    _check_depth(size, ctx)
     if axis not in (-1, len(ids.axes)):
         raise Departure("a OneHot with its expert axis not last")
-    return Meaning((*ids.axes, (Factor("e", Dim.of(ctx.experts)),)), Mask(None))
+    return Meaning((*ids.axes, (Factor("e", Dim.of(size)),)), Mask(None))
+
+
+def _check_depth(depth: int, ctx: Context) -> None:
+    """A mask over ``depth`` experts: at least E (the masks past E are empty: ids < E)."""
+    if not ctx.experts <= depth <= 2 * ctx.experts:
+        raise Departure(f"masks over {depth} experts where the router scores {ctx.experts}")
 
 
 def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
@@ -404,7 +421,8 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
         raise Departure(f"a {node.op_type} of rows of several experts at once")
     if e in total.experts:
         raise Departure(f"a {node.op_type} adding expert {e}'s rows a second time")
-    if reduction == "add" and isinstance(term, Weighted):
+    if isinstance(term, Weighted) and (reduction == "add" or not total.branches):
+        # into zeros a branch's rows (one per token) are written once: as good as added
         weighted = term
     elif reduction == "none" and isinstance(term, BranchUpdate) and term.total is total:
         weighted = term.weighted

@@ -98,6 +98,7 @@ class Interpretation:
     topk: ir.Node
     tokens: ir.Value | None
     k: int
+    experts: int = 0
     meanings: dict[int, tuple[ir.Value, Meaning]] = field(default_factory=dict)
     output: ir.Value | None = None
     departures: list[DepartureAt] = field(default_factory=list)
@@ -189,7 +190,7 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     k_arr = small_const(topk.inputs[1]) if len(topk.inputs) > 1 else None
     k = int(k_arr.reshape(-1)[0]) if k_arr is not None and k_arr.size == 1 else 0
     rows = router_rows(topk)
-    result = Interpretation(topk, rows, k)
+    result = Interpretation(topk, rows, k, experts)
     ids, values = topk.outputs[1], topk.outputs[0]
     row_dims = value_dims(rows) if rows is not None else None
     if k <= 0 or row_dims is None or len(row_dims) != 2:
@@ -305,7 +306,8 @@ def _complete(term: Term, k: int, experts: int) -> bool:
         return len(term.slots) == k
     if isinstance(term, Weighted) and k == 1:  # one slot: its weighted output is the sum
         return True
-    return isinstance(term, ExpertSum) and term.experts == frozenset(range(experts))
+    # branches of experts past E (a mask over more experts than the router has) add nothing
+    return isinstance(term, ExpertSum) and term.experts >= frozenset(range(experts))
 
 
 class _Ranges:
