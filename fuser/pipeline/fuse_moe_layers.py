@@ -57,6 +57,10 @@ from onnx_moe_fuse.rewrites.moe.rule_base import (
     TOPK_KEY,
 )
 
+#: Parts a rule fails at when it cannot read the layer's structure (not a fact it proved):
+#: where the analysis of meaning recorded a departure, it says more.
+_STRUCTURE_PARTS = frozenset({None, "tokens", "fc1", "fc2", "combine"})
+
 
 class LayerObserver(Protocol):
     """Told how the MoE pass advances (the command line's progress bar); never changes the work.
@@ -397,6 +401,15 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
+            departs = recorded(refusals, MEANING, a.topk) if a.topk is not None else None
+            if departs is not None and a.refusal.part in _STRUCTURE_PARTS:
+                # the rule saw a part it could not read; the analysis of meaning names the
+                # node where the layer stops being the op's (once per TopK)
+                if ("meaning", id(a.topk)) not in seen:
+                    seen.add(("meaning", id(a.topk)))  # type: ignore[arg-type]
+                    reason = f"{UNRECOGNISED}{a.refusal.part}: {a.refusal.reason}"
+                    self.report.add_near_miss(meaning_near_miss(a.topk, departs, reason))
+                continue
             self.report.add_near_miss(a.near_miss())
         routers: set[int] = set()
         diagnosis: dict[str, NearMiss] | None = None  # made once, for the first split combine

@@ -407,6 +407,8 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         return [indexing.one_hot(node, ins, ctx)]
     if op == "NonZero":
         return [indexing.nonzero(node, first)]
+    if op == "Concat" and first is not None and all(v is node.inputs[0] for v in node.inputs):
+        return [_copies(node, first)]
     if op == "Concat":
         return [_concat_indices(node, ins)]
     if op == "DequantizeLinear":
@@ -480,6 +482,14 @@ def _coords(node: ir.Node, first: Meaning, ctx: Context) -> list[Meaning | None]
     step = int(steps.reshape(-1)[0]) if steps is not None else 1
     picked = list(range(n))[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
     return [indexing.coords_select(node, first, axis, picked, False)]
+
+
+def _copies(node: ir.Node, first: Meaning) -> Meaning:
+    """``Concat`` of one value with itself: copies along that axis, copy-major (a Tile)."""
+    rank = len(first.axes)
+    axis = (attr_int(node, "axis", 0) or 0) % rank
+    repeats = [len(node.inputs) if i == axis else 1 for i in range(rank)]
+    return layout.tile(first, repeats)
 
 
 def _concat_indices(node: ir.Node, ins: list[Meaning | None]) -> Meaning:

@@ -35,7 +35,15 @@ __all__ = ["CanonicalMeaningPass", "analyse_topk", "part_of"]
 GROUPED_MATMUL_OPSET = 29
 
 #: The layer part a departure at each progress is in.
-_PARTS = {0: "fc1", 1: "fc1", 2: "activation", 3: "fc2", 4: "combine", 5: "combine", 6: "combine"}
+_PARTS = {
+    0: "tokens",
+    1: "fc1",
+    2: "activation",
+    3: "fc2",
+    4: "combine",
+    5: "combine",
+    6: "combine",
+}
 
 
 def part_of(progress: int) -> str:
