@@ -421,6 +421,13 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             reason, dense = unrecognised(node, refusals)
             part = None
             departs = recorded(refusals, MEANING, node)
+            if (
+                departs is not None
+                and reason is None
+                and dense is None
+                and departs.part != "tokens"
+            ):
+                reason = UNRECOGNISED + "the indices of this TopK reach expert work"
             if departs is not None and dense is None and reason and reason.startswith(UNRECOGNISED):
                 # the analysis of meaning names the node where the layer stops being the op's
                 self.report.add_near_miss(meaning_near_miss(node, departs, reason))

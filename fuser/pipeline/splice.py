@@ -17,7 +17,8 @@ replacing exactly the proved region, so everything outside fused layers stays as
 3. **Escapes.** A region value used outside the region may stay when it is upstream of the
    experts, i.e. does not depend on the tokens (the router Softmax of gpt-oss blocks, which is
    also a graph output; dequantized weights another node also reads): the nodes computing it are
-   kept, and so is a layout of the tokens alone (the flattened rows the router reads too).
+   kept, and so is a function of the tokens alone (the flattened rows or the norm the router
+   reads too: no projection, gather, mask or selection among its ancestors).
    Any other escaping value that depends on the tokens is refused, naming it.
 4. **Splice.** Insert the copies before the region's last node, move every use of the replaced
    value (graph outputs included) to the fused output, remove the region less what was kept,
@@ -283,9 +284,20 @@ _SHAPE_ARITHMETIC = frozenset(
 )  # fmt: skip
 
 
+#: Elementwise and reducing ops a token prelude (a norm, a dtype Cast) may hold: with no
+#: projection, gather, mask or selection among its ancestors it computes from the tokens alone,
+#: so keeping it for its other users (the router) keeps no expert work.
+_TOKEN_ARITHMETIC = frozenset(
+    {"Cast", "CastLike", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs",
+     "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "Exp", "Log", "Erf", "Tanh",
+     "Sigmoid", "Max", "Min", "Clip", "SimplifiedLayerNormalization", "LayerNormalization",
+     "RMSNormalization"}
+)  # fmt: skip
+
+
 def _prelude_node(node: ir.Node) -> bool:
-    """A layout of the tokens, or integer shape arithmetic feeding one."""
-    if node.op_type == "Constant" or (node.op_type in _TOKEN_LAYOUT and node.op_type != "Identity"):
+    """A layout or elementwise function of the tokens, or integer shape arithmetic."""
+    if node.op_type == "Constant" or node.op_type in _TOKEN_LAYOUT | _TOKEN_ARITHMETIC:
         return True
     ints = (ir.DataType.INT64, ir.DataType.INT32)
     return node.op_type in _SHAPE_ARITHMETIC and all(
@@ -311,7 +323,7 @@ def _kept(
                 else f"used by {outside[0].op_type} '{_label(outside[0])}' outside the layer"
             )
             ancestors = nx.ancestors(g, ("n", id(node)))
-            prelude = node.op_type in _TOKEN_LAYOUT and all(
+            prelude = _prelude_node(node) and all(
                 _prelude_node(region[i]) for kind, i in ancestors if kind == "n"
             )
             if tokens is not None and ("v", id(tokens)) in ancestors and not prelude:

@@ -289,7 +289,7 @@ def gather_elements(node: ir.Node, index: Meaning | None, ctx: Context) -> Meani
     axis = attr_int(node, "axis", 0)
     if dims is None or len(dims) != 2 or axis not in (1, -1) or dims[1] != Dim.of(ctx.experts):
         raise Departure("a GatherElements of the ids from other than [T, E] router values")
-    if [[f.var for f in a] for a in index.axes] != [["t"], ["j"]]:
+    if [[f.var for f in a] for a in index.axes] != ([["t"], ["j"]] if ctx.k > 1 else [["t"], []]):
         raise Departure("a GatherElements at ids laid out other than [t, j]")
     return Meaning(index.axes, Weights(node.outputs[0]))
 

@@ -145,6 +145,21 @@ def router_rows(topk: ir.Node) -> ir.Value | None:
     return None
 
 
+def _router_nodes(topk: ir.Node, rows: ir.Value) -> set[int]:
+    """The nodes from the router rows to the TopK's scores (the projection and its wrappers)."""
+    out: set[int] = set()
+    v = topk.inputs[0] if topk.inputs else None
+    for _ in range(8):
+        node = v.producer() if v is not None else None
+        if node is None:
+            break
+        out.add(id(node))
+        if rows in node.inputs:
+            break
+        v = next((i for i in node.inputs if i is not None and not is_const(i)), None)
+    return out
+
+
 class _Walk:
     """The forward walk of :func:`interpret_layer`."""
 
@@ -205,10 +220,13 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
         walk.push_users(v)
     ctx = Context(tokens, k, experts)
     ranges = _Ranges(ctx)
+    router = _router_nodes(topk, rows)  # the router itself is no departure from the layer
     departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from
     furthest: tuple[int, ir.Value] | None = None  # the value furthest along the layer
     while walk.heap:
         _, _, node = heapq.heappop(walk.heap)
+        if id(node) in router:
+            continue
         ins = [_input_meaning(result, v, ranges) for v in node.inputs]
         try:
             outs = transfer(node, ins, ctx)
