@@ -401,7 +401,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
-            departs = recorded(refusals, MEANING, a.topk) if a.topk is not None else None
+            departs = _meaning_record(refusals, a.topk) if a.topk is not None else None
             if departs is not None and a.refusal.part in _STRUCTURE_PARTS:
                 # the rule saw a part it could not read; the analysis of meaning names the
                 # node where the layer stops being the op's (once per TopK)
@@ -420,7 +420,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 continue
             reason, dense = unrecognised(node, refusals)
             part = None
-            departs = recorded(refusals, MEANING, node)
+            departs = _meaning_record(refusals, node)
             if (
                 departs is not None
                 and reason is None
@@ -464,6 +464,17 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                         values=(),
                     )
                 )
+
+
+def _meaning_record(refusals: list[Refusal], topk: ir.Node) -> Refusal | None:
+    """The meaning pass's record for ``topk``, unless a layer-form pass recorded one.
+
+    A loop, dense or sorted pass that recognised the layer and left it knows the precise fact
+    (weights that are graph inputs, a sort not undone): its record stays the reason.
+    """
+    if any(r.topk is topk and r.stage != MEANING for r in refusals):
+        return None
+    return recorded(refusals, MEANING, topk)
 
 
 def shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
