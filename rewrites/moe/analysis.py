@@ -54,6 +54,8 @@ from onnx_moe_fuse.rewrites.moe.activation_proof import (
     granularity,
     swiglu_params,
 )
+from onnx_moe_fuse.rewrites.moe.behaviour.activation import prove_activation
+from onnx_moe_fuse.rewrites.moe.behaviour.interpret import numpy_dtype
 from onnx_moe_fuse.rewrites.moe.parts.facts import HALF_TYPES, precision_cast
 from onnx_moe_fuse.rewrites.moe.plan import (
     LAYER_DTYPES,
@@ -288,6 +290,15 @@ def _activation(
     """The activation, FC1's columns in the fused node's order, and (alpha, beta, limit)."""
     inter = fc2.shape[1]
     n1 = sum(w.shape[2] for w in fc1)
+    if b.get("activation") == "behaviour":  # no spelling matched: proved by probing
+        return prove_activation(
+            b["act_region"],
+            [w.shape[2] for w in fc1],
+            fc1_last_axis + 1,
+            np.dtype(numpy_dtype(fc1[0].dtype) or np.float32),
+            inter,
+            MOE_ACTIVATIONS | QMOE_ACTIVATIONS,
+        )
     if family == "elementwise":
         activation = elementwise_activation(b)
         if n1 != inter:
