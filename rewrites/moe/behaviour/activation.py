@@ -177,7 +177,11 @@ def _params(consts: list[float]) -> tuple[np.ndarray, np.ndarray, list[float | N
 
 
 def _screen(model, g, u, alphas, betas, limits, rtol, atol) -> np.ndarray:
-    """Worst normalised deviation per (limit, alpha, beta) on the probes given (vectorised)."""
+    """Per (limit, alpha, beta), how far off on the probes given (vectorised).
+
+    The fraction of disagreeing probes, then (squashed below one probe's share) the worst
+    deviation: :attr:`.probes.Deviation.rank` in one number.
+    """
     worst = np.empty((len(limits), len(alphas), len(betas)))
     with np.errstate(all="ignore"):
         for i, limit in enumerate(limits):
@@ -191,7 +195,7 @@ def _screen(model, g, u, alphas, betas, limits, rtol, atol) -> np.ndarray:
             diff = np.abs(model[None, None, :] - c)
             d = np.where(diff == 0, 0.0, diff / np.maximum(tol, 1e-300))
             d = np.where(np.isnan(d) | np.isinf(diff), np.inf, d)
-            worst[i] = d.max(axis=2)
+            worst[i] = np.mean(d > 1.0, axis=2) + np.arctan(d.max(axis=2)) / np.pi * 1e-3
     return worst
 
 
@@ -216,7 +220,7 @@ def _fit_swiglu(probe: _Probe, consts: list[float], rtol: float, atol: float):
         g, u = (second, first) if swapped else (first, second)
         c, s, m = swiglu(g, u, alpha, beta, limit)
         d = deviation(model, c, s, rtol, atol * (1 + m))
-        if best is None or d.worst < best[0].worst:
+        if best is None or d.rank < best[0].rank:
             best = (d, alpha, beta, limit, swapped)
         if d.agrees:
             break
@@ -285,14 +289,15 @@ def prove_activation(
         raise Refusal(
             f"{WHAT} '{value_label(act)}': the fused op offers no activation of this kind", act
         )
-    d, kind, params, swapped = min(tried, key=lambda t: t[0].worst)
+    d, kind, params, swapped = min(tried, key=lambda t: t[0].rank)
     diff = abs(d.model - d.candidate) if np.isfinite(d.worst) else float("inf")
     erf = any(n.op_type == "Erf" for n in region.nodes) and kind == "gelu"
     raise Refusal(
         f"{WHAT} '{value_label(act)}' computes none of the fused activations "
         f"({', '.join(sorted(offered))}) within float rounding: the closest, "
         f"{_describe(kind, params)}{' with gate and linear swapped' if swapped else ''}, is "
-        f"{diff:.3g} off ({d.worst:.3g} times the tolerance) at {_where(probe, d, swapped)}, where the "
+        f"{diff:.3g} off ({d.worst:.3g} times the tolerance; {d.failing:.0%} of the probes "
+        f"disagree) at {_where(probe, d, swapped)}, where the "
         f"region gives {d.model:.9g} and {kind} {d.candidate:.9g}"
         + (" (an Erf: exact GELU, while ORT's gelu is the tanh form)" if erf else ""),
         act,

@@ -87,10 +87,16 @@ class Deviation:
     at: int  # the flat index of that probe
     model: float
     candidate: float
+    failing: float = 0.0  # the fraction of probes that disagree
 
     @property
     def agrees(self) -> bool:
         return self.worst <= 1.0
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """How far off, for naming the closest candidate: fewest disagreeing probes, then worst."""
+        return (self.failing, self.worst)
 
 
 def deviation(
@@ -111,4 +117,4 @@ def deviation(
     d = np.where(same, 0.0, d)
     d = np.where(~same & (~np.isfinite(m) | ~np.isfinite(c)), np.inf, d)
     i = int(np.argmax(d))
-    return Deviation(float(d[i]), i, float(m[i]), float(c[i]))
+    return Deviation(float(d[i]), i, float(m[i]), float(c[i]), float(np.mean(d > 1.0)))

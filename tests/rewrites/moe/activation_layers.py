@@ -13,12 +13,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from spellings.build import build_case
 from spellings.strategies import SMALL_BASE
 
 from onnx_moe_fuse import fuse
+from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES
+from onnx_moe_fuse.rewrites.moe.behaviour.activation import prove_activation
+from onnx_moe_fuse.rewrites.moe.behaviour.region import elementwise_region
 
 BASE = replace(SMALL_BASE, seed=11)
 #: The FC1 outputs of each base activation (what the new activation reads).
@@ -113,6 +117,45 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+def standalone(write: Callable[..., str], widths: tuple[int, ...], opset: int = 21) -> ir.Model:
+    """Just the activation ``write`` writes, on graph inputs ``s0, s1, ...`` ``[T, width]``."""
+    ops = Ops()
+    names = [f"s{i}" for i in range(len(widths))]
+    out = write(ops, *names)
+    ops.nodes.append(helper.make_node("Identity", [out], ["act"]))
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w])
+        for n, w in zip(names, widths, strict=True)
+    ]
+    graph = helper.make_graph(
+        ops.nodes, "act", inputs, [helper.make_tensor_value_info("act", TensorProto.FLOAT, None)],
+        ops.inits,
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    return ir.from_proto(helper.make_model(graph, opset_imports=opsets))
+
+
+def prove_standalone(
+    write: Callable[..., str], widths: tuple[int, ...], inter: int, dtype=np.float32
+) -> tuple[str, np.ndarray, tuple]:
+    """:func:`prove_activation` of the standalone activation (its sources: the graph inputs).
+
+    The columns come back numbered over the inputs in their order (``s0``'s first).
+    """
+    model = standalone(write, widths)
+    inputs = list(model.graph.inputs)
+    act = model.graph.outputs[0]
+    region = elementwise_region(act, lambda v: v in inputs, "the activation")
+    assert region is not None
+    order = [inputs.index(v) for v in region.sources]
+    got = prove_activation(
+        region, [widths[i] for i in order], 2, np.dtype(dtype), inter, ACTIVATION_TYPES
+    )
+    starts = np.cumsum([0, *widths])
+    renumber = np.concatenate([starts[i] + np.arange(widths[i]) for i in order])
+    return got[0], renumber[got[1]], got[2]
+
+
 @dataclass
 class Compared:
     """The fused model's op/attributes, the near misses, and the error against ORT."""
@@ -137,10 +180,12 @@ def fuse_and_compare(model: onnx.ModelProto, seed: int = 0, scale: float = 1.0) 
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
         rng = np.random.default_rng(seed)
         a, b = session(model), session(result.model)
-        h = model.graph.input[0].type.tensor_type.shape.dim[-1].dim_value
+        dims = model.graph.input[0].type.tensor_type.shape.dim
+        h = dims[-1].dim_value
         error = 0.0
         for tokens in (3, 7):
-            x = (scale * rng.standard_normal((tokens, h))).astype(np.float32)
+            shape = (tokens, h) if len(dims) == 2 else (2, tokens, h)
+            x = (scale * rng.standard_normal(shape)).astype(np.float32)
             want, got = a.run(None, {"x": x})[0], b.run(None, {"x": x})[0]
             err = np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
             error = max(error, float(err))
@@ -154,6 +199,8 @@ def fuse_and_compare(model: onnx.ModelProto, seed: int = 0, scale: float = 1.0) 
 
 
 __all__ = [
+    "prove_standalone",
+    "standalone",
     "BASE",
     "Compared",
     "Ops",
