@@ -100,7 +100,11 @@ class Deviation:
 
 
 def deviation(
-    model: np.ndarray, candidate: np.ndarray, scale: np.ndarray, rtol: float, atol: float = 0.0
+    model: np.ndarray,
+    candidate: np.ndarray,
+    scale: np.ndarray,
+    rtol: float,
+    atol: float | np.ndarray = 0.0,
 ) -> Deviation:
     """Compare ``model`` (the region) with ``candidate`` per probe (arrays of one shape).
 
@@ -109,9 +113,10 @@ def deviation(
     m = model.astype(np.float64).reshape(-1)
     c = np.broadcast_to(candidate, model.shape).astype(np.float64).reshape(-1)
     s = np.broadcast_to(scale, model.shape).astype(np.float64).reshape(-1)
+    a = np.broadcast_to(atol, model.shape).astype(np.float64).reshape(-1)
     with np.errstate(all="ignore"):
         diff = np.abs(m - c)
-        tol = rtol * (np.abs(c) + np.abs(s)) + atol
+        tol = rtol * (np.abs(c) + np.abs(s)) + a
         d = np.where(diff == 0, 0.0, diff / np.maximum(tol, 1e-300))
     same = (m == c) | (np.isnan(m) & np.isnan(c))
     d = np.where(same, 0.0, d)

@@ -6,8 +6,9 @@ multiplies by) through the ops a behaviour check may evaluate, stopping at *sour
 ``Constant`` nodes), and nothing else. A value made by another op (a MatMul that is no
 projection, a graph input) makes the region fail with a :class:`Refusal` naming it, as does a
 ``Cast`` from or to a half-precision type (a layer fuses in one float type) and a region of more
-than :data:`MAX_NODES` nodes. The nodes come back in topological order, the sources in the order
-the walk meets them (first input first, so ``Mul(silu(gate), up)`` gives gate, then up).
+than :data:`MAX_NODES` nodes. The nodes come back in topological order (a depth-first walk, at
+most :data:`MAX_NODES` deep), the sources in the order the walk meets them (first input first, so
+``Mul(silu(gate), up)`` gives gate, then up).
 """
 
 from __future__ import annotations
@@ -80,20 +81,20 @@ def elementwise_region(
         return None
     order: list[ir.Node] = []
     sources: list[ir.Value] = []
-    seen: set[ir.Value] = set()
+    kinds: dict[ir.Value, str] = {}  # "const" | "source" | "node"
     done: set[ir.Node] = set()
-    # iterative post-order walk: (node, expanded?) frames
-    stack: list[tuple[ir.Node, bool]] = []
 
-    def visit(value: ir.Value) -> None:
-        if value in seen:
-            return
-        seen.add(value)
+    def kind(value: ir.Value) -> str:
+        if value not in kinds:
+            kinds[value] = _classify(value)
+        return kinds[value]
+
+    def _classify(value: ir.Value) -> str:
         if const_array(value) is not None:
-            return
+            return "const"
         if value is not output and is_source(value):
             sources.append(value)
-            return
+            return "source"
         node = value.producer()
         if node is None:
             raise Refusal(
@@ -111,32 +112,23 @@ def elementwise_region(
         refusal = _cast_refusal(node, what)
         if refusal is not None:
             raise refusal
-        if node not in done:
-            stack.append((node, False))
+        return "node"
 
-    visit(output)
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            if node not in done:
-                done.add(node)
-                order.append(node)
-                if len(order) > MAX_NODES:
-                    raise Refusal(
-                        f"{what} '{value_label(output)}' is a region of more than {MAX_NODES} "
-                        "element-wise nodes",
-                        node,
-                    )
-            continue
-        stack.append((node, True))
-        for value in reversed([v for v in node.inputs if v is not None]):
-            visit(value)
-    # the walk pushed inputs in reverse so the first input's sources are met first; re-order
-    # the sources by the first node that reads each (the topological order)
-    first_read = {}
-    for i, node in enumerate(order):
-        for v in node.inputs:
-            if v in sources and v not in first_read:
-                first_read[v] = i
-    sources.sort(key=lambda v: first_read.get(v, 0))
+    def visit(node: ir.Node) -> None:  # post-order: a node after every producer it reads
+        if node in done:
+            return
+        done.add(node)
+        for value in node.inputs:
+            if value is not None and kind(value) == "node":
+                visit(value.producer())  # type: ignore[arg-type]
+        order.append(node)
+        if len(order) > MAX_NODES:
+            raise Refusal(
+                f"{what} '{value_label(output)}' is a region of more than {MAX_NODES} "
+                "element-wise nodes",
+                node,
+            )
+
+    if kind(output) == "node":
+        visit(output.producer())  # type: ignore[arg-type]
     return Region(output, tuple(order), tuple(sources))
