@@ -8,7 +8,9 @@ sources' widths and returns what the fused node must compute: ``(activation_type
 1. columns, symbolically (:func:`.columns.column_sources`): which FC1 columns each output column
    reads; one each is an element-wise activation, two each a gated one (a third is refused);
 2. the region's scalar constants give the candidates' parameters: SwiGLU's ``alpha`` from
-   ``{1, ±c, ±1/c}``, ``beta`` from ``{0, c, -c}``, ``swiglu_limit`` from ``{none, |c|}``;
+   ``{1, ±c, ±1/c}`` of the factors (``Mul``/``Div``), ``beta`` from ``{0, c, -c}`` of the
+   addends (``Add``/``Sub``), ``swiglu_limit`` from ``{none, |c|}`` of the clamp bounds
+   (``Clip``/``Min``/``Max``); a constant read by any other op may be any of the three;
 3. the region is evaluated per op in the layer's float type on the probe grid
    (:mod:`.probes`), spread over the output columns (every column computes the same function,
    step 1 proved it), the two operands of a gated activation on a two-axis grid, so gate and
@@ -28,7 +30,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.graph.facts import const_array, value_label
+from onnx_moe_fuse.rewrites.graph.facts import value_label
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.moe.behaviour.columns import column_sources
 from onnx_moe_fuse.rewrites.moe.behaviour.interpret import COLUMN_OPS, Unsupported, evaluate
@@ -85,27 +87,43 @@ def swiglu(
         return g * _sigmoid(alpha * g) * lin, np.abs(g) * (np.abs(u) + abs(beta)), np.abs(lin)
 
 
-def region_constants(region: Region) -> list[float]:
-    """The distinct scalar float constants of the region's arithmetic (not its column indices)."""
-    found: list[float] = []
+#: Which SwiGLU parameter a constant read by each op may be (others: any of them).
+_ROLES = {
+    "Clip": ("limit",), "Min": ("limit",), "Max": ("limit",),
+    "Add": ("beta",), "Sub": ("beta",), "Sum": ("beta",),
+    "Mul": ("alpha",), "Div": ("alpha",),
+}  # fmt: skip
+_ALL_ROLES = ("alpha", "beta", "limit")
+
+
+def region_constants(region: Region) -> dict[str, list[float]]:
+    """The distinct finite scalar float constants of the region's arithmetic, by parameter.
+
+    By the SwiGLU parameter each may be (a clamp bound a limit, an addend a beta, a factor an
+    alpha); the column indices of Slice/Split/Gather are not arithmetic. Key ``all``: every one.
+    """
+    found: dict[str, list[float]] = {"alpha": [], "beta": [], "limit": [], "all": []}
+
+    def add(c: float, roles: tuple[str, ...]) -> None:
+        if not np.isfinite(c):
+            return
+        for role in (*roles, "all"):
+            if c not in found[role]:
+                found[role].append(c)
+
     for node in region.nodes:
-        inputs = node.inputs[:1] if node.op_type in COLUMN_OPS else node.inputs
-        for v in inputs:
-            arr = const_array(v) if v is not None else None
-            if arr is None or np.asarray(arr).size == 0:
+        if node.op_type in COLUMN_OPS:
+            continue
+        roles = _ROLES.get(node.op_type, _ALL_ROLES)
+        for v in node.inputs:
+            arr = region.constants.get(v) if v is not None else None
+            if arr is None or arr.size == 0 or arr.dtype.kind != "f":
                 continue
-            a = np.asarray(arr)
-            if a.dtype.kind != "f":
-                continue
-            c = float(a.reshape(-1)[0])
-            if np.isfinite(c) and c not in found:
-                found.append(c)
+            add(float(arr.reshape(-1)[0]), roles)
         for name in ("alpha", "beta", "min", "max"):
             attr = node.attributes.get(name)
             if attr is not None and attr.type == ir.AttributeType.FLOAT:
-                c = float(attr.value)
-                if np.isfinite(c) and c not in found:
-                    found.append(c)
+                add(float(attr.value), _ALL_ROLES)
     return found
 
 
@@ -116,9 +134,15 @@ class _Probe:
         self, region: Region, deps: np.ndarray, widths: Sequence[int], rank: int,
         dtype: np.dtype, first: np.ndarray, second: np.ndarray | None,
     ) -> None:  # fmt: skip
-        keys, inverse = np.unique(deps, axis=0, return_inverse=True)
+        width = int(sum(widths)) + 1
+        codes = deps[:, 0] * width + (deps[:, 1] + 1)  # one int per distinct column pair
+        ordered = np.sort(codes)  # (np.unique hashes: 30x slower on a few thousand ints)
+        unique = ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])]
+        inverse = np.searchsorted(unique, codes)
+        keys = np.stack([unique // width, unique % width - 1], axis=1)
         used = keys[keys >= 0]
-        if len(np.unique(used)) != len(used):
+        used = np.sort(used)
+        if (used[1:] == used[:-1]).any():
             raise Refusal(
                 f"{WHAT} '{value_label(region.output)}' reads one FC1 column in two roles or "
                 "for two different output columns",
@@ -138,7 +162,7 @@ class _Probe:
             feeds[src] = x[:, start : start + w].reshape(*lead, w)
             start += w
         try:
-            out = evaluate(region.nodes, feeds)[region.output]
+            out = evaluate(region.nodes, feeds, region.constants)[region.output]
         except (Unsupported, ValueError, IndexError, TypeError) as error:
             node = getattr(error, "node", None)
             raise Refusal(
@@ -167,12 +191,14 @@ def _where(probe: _Probe, d: Deviation, swapped: bool = False) -> str:
     return f"gate = {g:.9g}, linear = {u:.9g}"
 
 
-def _params(consts: list[float]) -> tuple[np.ndarray, np.ndarray, list[float | None]]:
-    f32 = [float(np.float32(c)) for c in consts]
-    inv = [float(np.float32(1 / c)) for c in f32 if c]
-    alphas = list(dict.fromkeys([1.0, *f32, *inv, *(-c for c in (*f32, *inv))]))
-    betas = list(dict.fromkeys([0.0, *f32, *(-c for c in f32)]))
-    limits: list[float | None] = [None, *dict.fromkeys(abs(c) for c in f32 if c)]
+def _params(consts: dict[str, list[float]]) -> tuple[np.ndarray, np.ndarray, list[float | None]]:
+    def f32(role: str) -> list[float]:
+        return [float(np.float32(c)) for c in consts[role]]
+
+    inv = [float(np.float32(1 / c)) for c in f32("alpha") if c]
+    alphas = list(dict.fromkeys([1.0, *f32("alpha"), *inv, *(-c for c in (*f32("alpha"), *inv))]))
+    betas = list(dict.fromkeys([0.0, *f32("beta"), *(-c for c in f32("beta"))]))
+    limits: list[float | None] = [None, *dict.fromkeys(abs(c) for c in f32("limit") if c)]
     return np.array(alphas), np.array(betas), limits
 
 
@@ -199,7 +225,7 @@ def _screen(model, g, u, alphas, betas, limits, rtol, atol) -> np.ndarray:
     return worst
 
 
-def _fit_swiglu(probe: _Probe, consts: list[float], rtol: float, atol: float):
+def _fit_swiglu(probe: _Probe, consts: dict[str, list[float]], rtol: float, atol: float):
     """The best (deviation, alpha, beta, limit, swapped) over the parameter candidates."""
     alphas, betas, limits = _params(consts)
     model = probe.model.reshape(-1).astype(np.float64)
@@ -261,7 +287,7 @@ def prove_activation(
         )
     consts = region_constants(region)
     rtol, atol = rtol_for(dtype), atol_for(dtype)
-    values = probe_values(consts)
+    values = probe_values(consts["all"])
     if not pairs.any():
         probe = _Probe(region, deps, widths, rank, dtype, values, None)
         tried = []
@@ -274,7 +300,7 @@ def prove_activation(
                 return kind, deps[:, 0].copy(), (1.0, 0.0, None)
             tried.append((d, kind, None, False))
     else:
-        small = small_values(consts)
+        small = small_values(consts["all"])
         g = np.concatenate([np.repeat(values, len(small)), np.tile(small, len(values))])
         u = np.concatenate([np.tile(small, len(values)), np.repeat(values, len(small))])
         probe = _Probe(region, deps, widths, rank, dtype, g, u)

@@ -15,12 +15,12 @@ source columns, which is what lets :mod:`.probes` spread its grid over the colum
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, label, value_label
+from onnx_moe_fuse.rewrites.graph.facts import attr_int, label, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 from onnx_moe_fuse.rewrites.moe.behaviour.interpret import COLUMN_OPS
 from onnx_moe_fuse.rewrites.moe.behaviour.region import Region
@@ -38,6 +38,14 @@ def _union(parts: list[np.ndarray], node: ir.Node, what: str) -> np.ndarray:
             f"{what}: '{label(node)}' combines operands of {[p.shape[0] for p in parts]} columns",
             node,
         )
+    distinct = [p for i, p in enumerate(parts) if not any(p is q for q in parts[:i])]
+    if len(distinct) == 1 or all(np.array_equal(p, distinct[0]) for p in distinct[1:]):
+        return np.broadcast_to(distinct[0], (width, 2))  # the same columns (x * sigmoid(x))
+    singles = [p for p in distinct if p.shape[0] == width and (p[:, 1] == _NONE).all()]
+    if len(distinct) == 2 and len(singles) == 2:  # one column each: the common case, no sort
+        a, b = singles[0][:, 0], singles[1][:, 0]
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        return np.stack([lo, np.where(lo == hi, _NONE, hi)], axis=1)
     cat = np.concatenate([np.broadcast_to(p, (width, 2)) for p in parts], axis=1)
     cat = np.sort(cat, axis=1)
     dup = np.zeros_like(cat, dtype=bool)
@@ -66,18 +74,22 @@ def _last_axis(node: ir.Node, axes: Sequence[int] | None, rank: int, what: str) 
         )
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
-    arr = const_array(value) if value is not None else None
+def _ints(value: ir.Value | None, constants: Mapping) -> list[int] | None:
+    arr = constants.get(value) if value is not None else None
     return None if arr is None else [int(v) for v in np.asarray(arr).reshape(-1)]
 
 
-def _route(node: ir.Node, deps: np.ndarray, rank: int, what: str) -> list[np.ndarray]:
+def _route(
+    node: ir.Node, deps: np.ndarray, rank: int, what: str, constants: Mapping
+) -> list[np.ndarray]:
     """The source columns of a column op's outputs, from those of its data input."""
     width = deps.shape[0]
     if node.op_type == "Slice":
-        starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
-        axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
-        steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+        starts, ends = _ints(node.inputs[1], constants), _ints(node.inputs[2], constants)
+        axes = _ints(node.inputs[3], constants) if len(node.inputs) > 3 and node.inputs[3] else None
+        steps = (
+            _ints(node.inputs[4], constants) if len(node.inputs) > 4 and node.inputs[4] else None
+        )
         if starts is None or ends is None:
             raise Refusal(f"{what}: Slice '{label(node)}' has bounds that are not constant", node)
         _last_axis(node, axes if axes is not None else list(range(len(starts))), rank, what)
@@ -87,7 +99,9 @@ def _route(node: ir.Node, deps: np.ndarray, rank: int, what: str) -> list[np.nda
         return [deps[np.arange(width)[slice(starts[0], ends[0], step)]]]
     if node.op_type == "Split":
         _last_axis(node, [attr_int(node, "axis", 0) or 0], rank, what)
-        sizes = _ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
+        sizes = (
+            _ints(node.inputs[1], constants) if len(node.inputs) > 1 and node.inputs[1] else None
+        )
         if sizes is None and "split" in node.attributes:
             sizes = [int(v) for v in node.attributes["split"].value]
         parts = len(node.outputs)
@@ -100,7 +114,7 @@ def _route(node: ir.Node, deps: np.ndarray, rank: int, what: str) -> list[np.nda
         return [deps[bounds[i] : bounds[i + 1]] for i in range(parts)]
     # Gather
     _last_axis(node, [attr_int(node, "axis", 0) or 0], rank, what)
-    idx = const_array(node.inputs[1])
+    idx = constants.get(node.inputs[1])
     if idx is None or np.asarray(idx).ndim != 1:
         raise Refusal(
             f"{what}: Gather '{label(node)}' does not take constant 1-D column indices", node
@@ -108,8 +122,8 @@ def _route(node: ir.Node, deps: np.ndarray, rank: int, what: str) -> list[np.nda
     return [deps[np.asarray(idx).astype(np.int64) % width]]
 
 
-def _uniform(node: ir.Node, value: ir.Value, what: str) -> None:
-    arr = const_array(value)
+def _uniform(node: ir.Node, value: ir.Value, what: str, constants: Mapping) -> None:
+    arr = constants.get(value)
     if arr is None or np.asarray(arr).size <= 1:
         return
     flat = np.asarray(arr).reshape(-1)
@@ -139,12 +153,14 @@ def column_sources(region: Region, widths: Sequence[int], rank: int, what: str) 
             src = node.inputs[0]
             if src is None or src not in deps:
                 continue  # a cut of constants only
-            for out, d in zip(node.outputs, _route(node, deps[src], rank, what), strict=False):
+            for out, d in zip(
+                node.outputs, _route(node, deps[src], rank, what, region.constants), strict=False
+            ):
                 deps[out] = d
             continue
         for v in node.inputs:
             if v is not None and v not in deps:
-                _uniform(node, v, what)
+                _uniform(node, v, what, region.constants)
         if data:
             deps[node.outputs[0]] = _union([deps[v] for v in data], node, what)
     out = deps.get(region.output)

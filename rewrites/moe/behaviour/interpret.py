@@ -163,30 +163,31 @@ OPS = frozenset(
 MS_OPS = frozenset(_MS_UNARY)
 
 
-def _ints(node: ir.Node, i: int) -> list[int] | None:
-    if len(node.inputs) <= i or node.inputs[i] is None:
+def _ints(xs: list[np.ndarray | None], i: int) -> list[int] | None:
+    if len(xs) <= i or xs[i] is None:
         return None
-    arr = const_array(node.inputs[i])
-    if arr is None:
-        raise Unsupported(node, f"input {i} is not a constant")
-    return [int(v) for v in np.asarray(arr).reshape(-1)]
+    return [int(v) for v in np.asarray(xs[i]).reshape(-1)]
 
 
-def _slice(node: ir.Node, x: np.ndarray) -> np.ndarray:
-    starts, ends = _ints(node, 1), _ints(node, 2)
+def _slice(node: ir.Node, xs: list[np.ndarray | None]) -> np.ndarray:
+    x = xs[0]
+    assert x is not None
+    starts, ends = _ints(xs, 1), _ints(xs, 2)
     if starts is None or ends is None:
         raise Unsupported(node, "no starts/ends")
-    axes = _ints(node, 3) or list(range(len(starts)))
-    steps = _ints(node, 4) or [1] * len(starts)
+    axes = _ints(xs, 3) or list(range(len(starts)))
+    steps = _ints(xs, 4) or [1] * len(starts)
     index: list[slice] = [slice(None)] * x.ndim
     for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
         index[a % x.ndim] = slice(s, e, st)
     return x[tuple(index)]
 
 
-def _split(node: ir.Node, x: np.ndarray) -> list[np.ndarray]:
+def _split(node: ir.Node, xs: list[np.ndarray | None]) -> list[np.ndarray]:
+    x = xs[0]
+    assert x is not None
     axis = (attr_int(node, "axis", 0) or 0) % x.ndim
-    sizes = _ints(node, 1)
+    sizes = _ints(xs, 1)
     if sizes is None and "split" in node.attributes:
         sizes = [int(v) for v in node.attributes["split"].value]
     parts = len(node.outputs)
@@ -264,14 +265,12 @@ def _run(node: ir.Node, xs: list[np.ndarray | None]) -> list[np.ndarray]:
     if op == "CastLike":
         return [x.astype(xs[1].dtype)]
     if op == "Slice":
-        return [_slice(node, x)]
+        return [_slice(node, xs)]
     if op == "Split":
-        return _split(node, x)
+        return _split(node, xs)
     if op == "Gather":
-        idx = const_array(node.inputs[1])
-        if idx is None:
-            raise Unsupported(node, "its indices are not constant")
-        return [np.take(x, np.asarray(idx).astype(np.int64), axis=attr_int(node, "axis", 0) or 0)]
+        idx = np.asarray(xs[1]).astype(np.int64)
+        return [np.take(x, idx, axis=attr_int(node, "axis", 0) or 0)]
     if op == "Softmax":
         return [_softmax(node, x)]
     if op in REDUCTIONS:
@@ -279,25 +278,35 @@ def _run(node: ir.Node, xs: list[np.ndarray | None]) -> list[np.ndarray]:
     raise Unsupported(node, "not an op the behaviour check evaluates")
 
 
-def _as_input(node: ir.Node, i: int, value: ir.Value | None, env: Mapping) -> np.ndarray | None:
+def _as_input(
+    node: ir.Node, i: int, value: ir.Value | None, env: Mapping, constants: Mapping
+) -> np.ndarray | None:
     if value is None:
         return None
     if value in env:
         return env[value]
-    arr = const_array(value)
+    arr = constants.get(value)
+    if arr is None:
+        arr = const_array(value)
     if arr is None:
         raise Unsupported(node, f"input {i} is neither fed nor a constant")
     return np.asarray(arr)
 
 
 def evaluate(
-    nodes: Iterable[ir.Node], feeds: Mapping[ir.Value, np.ndarray]
+    nodes: Iterable[ir.Node],
+    feeds: Mapping[ir.Value, np.ndarray],
+    constants: Mapping[ir.Value, np.ndarray] | None = None,
 ) -> dict[ir.Value, np.ndarray]:
-    """Every value the ``nodes`` (topologically ordered) compute from ``feeds`` and constants."""
+    """Every value the ``nodes`` (topologically ordered) compute from ``feeds`` and constants.
+
+    ``constants``: constant inputs already read (others are read from the graph).
+    """
+    constants = constants or {}
     env: dict[ir.Value, np.ndarray] = dict(feeds)
     with np.errstate(all="ignore"):
         for node in nodes:
-            xs = [_as_input(node, i, v, env) for i, v in enumerate(node.inputs)]
+            xs = [_as_input(node, i, v, env, constants) for i, v in enumerate(node.inputs)]
             half = next((x.dtype for x in xs if x is not None and x.dtype in _HALF), None)
             if half is not None:  # compute in float32, round the result to the half type
                 xs = [x.astype(np.float32) if x is not None and x.dtype in _HALF else x for x in xs]

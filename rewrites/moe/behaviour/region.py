@@ -13,9 +13,10 @@ most :data:`MAX_NODES` deep), the sources in the order the walk meets them (firs
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, label, value_label
@@ -31,11 +32,15 @@ MAX_NODES = 64
 
 @dataclass(frozen=True, eq=False)
 class Region:
-    """An element-wise region: ``nodes`` (topological) compute ``output`` from ``sources``."""
+    """An element-wise region: ``nodes`` (topological) compute ``output`` from ``sources``.
+
+    ``constants``: the constant values the nodes read, read once (the checks read them often).
+    """
 
     output: ir.Value
     nodes: tuple[ir.Node, ...]
     sources: tuple[ir.Value, ...]
+    constants: Mapping[ir.Value, np.ndarray] = field(default_factory=dict)
 
 
 def _allowed(node: ir.Node, ops: frozenset[str]) -> bool:
@@ -82,6 +87,7 @@ def elementwise_region(
     order: list[ir.Node] = []
     sources: list[ir.Value] = []
     kinds: dict[ir.Value, str] = {}  # "const" | "source" | "node"
+    constants: dict[ir.Value, np.ndarray] = {}
     done: set[ir.Node] = set()
 
     def kind(value: ir.Value) -> str:
@@ -90,7 +96,9 @@ def elementwise_region(
         return kinds[value]
 
     def _classify(value: ir.Value) -> str:
-        if const_array(value) is not None:
+        arr = const_array(value)
+        if arr is not None:
+            constants[value] = np.asarray(arr)
             return "const"
         if value is not output and is_source(value):
             sources.append(value)
@@ -131,4 +139,4 @@ def elementwise_region(
 
     if kind(output) == "node":
         visit(output.producer())  # type: ignore[arg-type]
-    return Region(output, tuple(order), tuple(sources))
+    return Region(output, tuple(order), tuple(sources), constants)
