@@ -19,6 +19,7 @@ Two measurements (medians; single-threaded numpy, the machine's other load inclu
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -83,21 +84,15 @@ def probe_check(runs: int) -> None:
         ("gpt-oss written, I=2880", 2880, True),
     ):
         model = _region_model(2 * inter if oss else inter, oss)
-        src = model.graph.inputs[0]
-        act = model.graph.outputs[0]
-
-        def walk():
-            return elementwise_region(act, lambda v: v is src, "the activation")
-
+        src, act = model.graph.inputs[0], model.graph.outputs[0]
+        walk = functools.partial(elementwise_region, act, lambda v, s=src: v is s, "the activation")
         region = walk()
         widths = [2 * inter if oss else inter]
-        got = prove_activation(region, widths, 2, np.dtype(np.float32), inter, ACTIVATION_TYPES)
-        ms = _median_ms(
-            lambda: prove_activation(
-                region, widths, 2, np.dtype(np.float32), inter, ACTIVATION_TYPES
-            ),
-            runs,
+        proof = functools.partial(
+            prove_activation, region, widths, 2, np.dtype(np.float32), inter, ACTIVATION_TYPES
         )
+        got = proof()
+        ms = _median_ms(proof, runs)
         print(
             f"  {name:28s} {ms:7.2f} ms   region walk {_median_ms(walk, runs):6.3f} ms   -> {got[0]} {got[2]}"
         )
