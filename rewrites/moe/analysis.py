@@ -224,7 +224,14 @@ def finish_layer(
         routing = routing.as_selected(b["routing_weights"])
     if routing.selected:
         with part("routing"):
-            selected_routing(routing, tokens, root, e, r)
+            try:
+                selected_routing(routing, tokens, root, e, r)
+            except Refusal as refusal:
+                if routing.not_internal:  # and the probed near miss of the router's own form
+                    refusal.reason = (
+                        f"{refusal.reason}; as MoE/QMoE's own routing: {routing.not_internal}"
+                    )
+                raise
     with part("region"):
         if matched is not None:
             _weights_stay_inside(fc1, fc2, matched)

@@ -67,10 +67,12 @@ class Ops:
         return lambda *inputs, **attrs: self.node(op, *inputs, **attrs)
 
 
-def _activation_nodes(graph: onnx.GraphProto, sources: tuple[str, ...]) -> set[int]:
-    """Indices of the nodes computing ``act`` from ``sources``."""
+def _activation_nodes(
+    graph: onnx.GraphProto, sources: tuple[str, ...], target: str = "act"
+) -> set[int]:
+    """Indices of the nodes computing ``target`` from ``sources``."""
     producer = {o: i for i, n in enumerate(graph.node) for o in n.output}
-    out, stack = set(), ["act"]
+    out, stack = set(), [target]
     while stack:
         v = stack.pop()
         if v in sources or v not in producer or producer[v] in out:
@@ -84,16 +86,26 @@ def with_activation(
     write: Callable[..., str], base: str = "relu", opset: int = 21, **changes
 ) -> onnx.ModelProto:
     """A layer (``base`` activation's FC1) whose activation ``write(ops, *sources)`` writes."""
-    case = replace(BASE, activation=base, **changes)
+    return with_region(write, "act", SOURCES[base], activation=base, opset=opset, **changes)
+
+
+def with_region(
+    write: Callable[..., str], target: str, sources: tuple[str, ...], opset: int = 21, **changes
+) -> onnx.ModelProto:
+    """A generated layer whose nodes computing ``target`` from ``sources`` ``write`` writes.
+
+    E.g. the router softmax: ``target="router_probs", sources=("router_logits",)``; the top-k
+    weights: ``target="routing_weights", sources=("topk_0",)``.
+    """
+    case = replace(BASE, **changes)
     if opset != case.opset_version:
         case = replace(case, opset_version=opset)
     model = build_case(case).model
     graph = model.graph
-    sources = SOURCES[base]
-    drop = _activation_nodes(graph, sources)
-    ops = Ops()
+    drop = _activation_nodes(graph, sources, target)
+    ops = Ops(target)
     result = write(ops, *sources)
-    ops.nodes.append(helper.make_node("Identity", [result], ["act"]))
+    ops.nodes.append(helper.make_node("Identity", [result], [target]))
     at = min(drop)
     kept = [n for i, n in enumerate(graph.node) if i not in drop]
     new = kept[:at] + ops.nodes + kept[at:]
@@ -201,6 +213,7 @@ def fuse_and_compare(model: onnx.ModelProto, seed: int = 0, scale: float = 1.0) 
 __all__ = [
     "prove_standalone",
     "standalone",
+    "with_region",
     "BASE",
     "Compared",
     "Ops",
