@@ -21,7 +21,8 @@ Steps, in order (the first failing one gives the reason):
    (float, or DequantizeLinear of int4/uint4/int8/uint8, any zero points), optional
    constant biases, consistent sizes ``E, H, I``;
 5. activation: relu / tanh gelu / silu / identity / SwiGLU (gate and linear column selections,
-   clamp limit, alpha, beta); exact (Erf) GELU is refused;
+   clamp limit, alpha, beta); exact (Erf) GELU is refused; an activation no spelling matched is
+   proved by probing (:mod:`.behaviour.activation`);
 6. target: MoE for float weights, QMoE for quantized ones (renormalised routing), or for float
    ones quantised on request (:mod:`.quantize`), within the requested ops;
 7. escapes (a rule used alone): the router probabilities and the dequantized weights are used by
