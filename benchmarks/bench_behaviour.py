@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
-import onnx_moe_fuse.rewrites.moe.analysis as analysis
+import onnx_moe_fuse.rewrites.moe.activation_proof as analysis
 import onnx_moe_fuse.rewrites.moe.parts.activation as activation_part
 from onnx_moe_fuse import fuse
 from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES

@@ -16,7 +16,7 @@ from activation_layers import BASE
 from onnx import helper, numpy_helper
 from spellings.build import build_case
 
-import onnx_moe_fuse.rewrites.moe.analysis as analysis
+import onnx_moe_fuse.rewrites.moe.activation_proof as activation_proof
 import onnx_moe_fuse.rewrites.moe.parts.activation as activation_part
 from onnx_moe_fuse import fuse
 
@@ -39,8 +39,10 @@ def test_patterns_and_behaviour_emit_the_same_node(activation: str, monkeypatch)
     fast_attrs, fast_arrays = _fused(model)
     monkeypatch.setattr(activation_part, "first_match", lambda patterns, node: None)
     calls = []
-    proof = analysis.prove_activation
-    monkeypatch.setattr(analysis, "prove_activation", lambda *a: calls.append(a) or proof(*a))
+    proof = activation_proof.prove_activation
+    monkeypatch.setattr(
+        activation_proof, "prove_activation", lambda *a: calls.append(a) or proof(*a)
+    )
     slow_attrs, slow_arrays = _fused(model)
     assert calls, "the behaviour check did not decide"
     assert slow_attrs.keys() == fast_attrs.keys()
