@@ -248,6 +248,15 @@ def test_hand_written_activations_fuse_and_match_ort(base, write, attrs, changes
     assert got.error < 1e-5, got.error
 
 
+def test_swish_gate_times_fc3_with_grouped_matmul_fuses() -> None:
+    """Issue 18's case: GroupedMatMul experts, ``Swish(gate) * up`` (SwiGLU with FC3)."""
+    swish = lambda o, g, u: o.Mul(o.Swish(g, alpha=1.0), u)  # noqa: E731
+    model = with_activation(swish, "swiglu_separate", opset=24, experts="grouped_matmul")
+    got = fuse_and_compare(model, scale=3.0)
+    assert got.ops == ["MoE"] and got.attributes["activation_type"] == "swiglu", got.reasons
+    assert got.error < 1e-5
+
+
 def test_a_near_miss_leaves_the_model_unchanged_and_names_the_activation() -> None:
     got = fuse_and_compare(with_activation(_oss_limits, "swiglu_oss"))
     assert got.ops == [] and got.unchanged
