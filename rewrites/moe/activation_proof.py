@@ -1,7 +1,9 @@
 """Proof step 5: the activation (relu, tanh gelu, silu, identity, SwiGLU) and the quantization granularity.
 
-SwiGLU: which FC1 columns are the gate and the linear operand (any Slice/Split), the clamp
-limit, alpha and beta; exact (Erf) GELU is refused. :func:`_granularity` proves one bit width and
+:func:`activation_step`: the activation, FC1's columns in the fused node's order and (alpha,
+beta, limit). SwiGLU: which FC1 columns are the gate and the linear operand (any Slice/Split),
+the clamp limit, alpha and beta; exact (Erf) GELU is refused; an activation no spelling matched
+(kind ``behaviour``) is proved by probing (:mod:`.behaviour.activation`). :func:`_granularity` proves one bit width and
 one block size for a QMoE.
 """
 
@@ -25,9 +27,9 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
-from onnx_moe_fuse.rewrites.moe.plan import (
-    ExpertWeights,
-)
+from onnx_moe_fuse.rewrites.moe.behaviour.activation import prove_activation
+from onnx_moe_fuse.rewrites.moe.behaviour.interpret import numpy_dtype
+from onnx_moe_fuse.rewrites.moe.plan import MOE_ACTIVATIONS, QMOE_ACTIVATIONS, ExpertWeights
 
 # -- 5. activation -----------------------------------------------------------------------------
 
@@ -184,6 +186,50 @@ def swiglu_params(b: Mapping[str, Any]) -> tuple[float, float, float | None]:
             raise Refusal("SwiGLU: the linear operand's offset (beta) is not a constant scalar")
         beta = bb
     return alpha, beta, limit
+
+
+def activation_step(
+    b: Mapping[str, Any],
+    family: str,
+    fc1: tuple[ExpertWeights, ...],
+    fc2: ExpertWeights,
+    fc1_last_axis: int,
+) -> tuple[str, np.ndarray, tuple[float, float, float | None]]:
+    """The activation, FC1's columns in the fused node's order, and (alpha, beta, limit)."""
+    inter = fc2.shape[1]
+    n1 = sum(w.shape[2] for w in fc1)
+    if b.get("activation") == "behaviour":  # no spelling matched: proved by probing
+        return prove_activation(
+            b["act_region"],
+            [w.shape[2] for w in fc1],
+            fc1_last_axis + 1,
+            np.dtype(numpy_dtype(fc1[0].dtype) or np.float32),
+            inter,
+            MOE_ACTIVATIONS | QMOE_ACTIVATIONS,
+        )
+    if family == "elementwise":
+        activation = elementwise_activation(b)
+        if n1 != inter:
+            raise Refusal(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
+        return activation, np.arange(n1), (1.0, 0.0, None)
+    params = swiglu_params(b)
+    if family == "gated":
+        if fc1[0].shape != fc1[1].shape:
+            raise Refusal("the gate and up experts have different shapes", fc1[1].value)
+        gate_cols = np.arange(fc1[0].shape[2])
+        lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
+    else:
+        fc1_out: ir.Value = b["fc1_out"]
+        gate_cols = gate_up_columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
+        lin_cols = gate_up_columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
+    if len(gate_cols) != inter or len(lin_cols) != inter:
+        raise Refusal(
+            f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
+            f"but FC2 reads {inter}",
+            fc2.value,
+        )
+    columns = np.stack([gate_cols, lin_cols], axis=1).reshape(-1)  # row 2j gate, 2j+1 lin
+    return "swiglu", columns, params
 
 
 def granularity(

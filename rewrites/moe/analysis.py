@@ -21,7 +21,8 @@ Steps, in order (the first failing one gives the reason):
    (float, or DequantizeLinear of int4/uint4/int8/uint8, any zero points), optional
    constant biases, consistent sizes ``E, H, I``;
 5. activation: relu / tanh gelu / silu / identity / SwiGLU (gate and linear column selections,
-   clamp limit, alpha, beta); exact (Erf) GELU is refused;
+   clamp limit, alpha, beta); exact (Erf) GELU is refused; an activation no spelling matched is
+   proved by probing (:mod:`.behaviour.activation`);
 6. target: MoE for float weights, QMoE for quantized ones (renormalised routing), or for float
    ones quantised on request (:mod:`.quantize`), within the requested ops;
 7. escapes (a rule used alone): the router probabilities and the dequantized weights are used by
@@ -38,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import (
@@ -48,12 +48,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
-from onnx_moe_fuse.rewrites.moe.activation_proof import (
-    elementwise_activation,
-    gate_up_columns,
-    granularity,
-    swiglu_params,
-)
+from onnx_moe_fuse.rewrites.moe.activation_proof import activation_step, granularity
 from onnx_moe_fuse.rewrites.moe.parts.facts import HALF_TYPES, precision_cast
 from onnx_moe_fuse.rewrites.moe.plan import (
     LAYER_DTYPES,
@@ -203,7 +198,9 @@ def finish_layer(
         if matched is not None and routing.internal_scores is not None:
             router_scores_stay_inside(routing)
     with part("activation"):
-        activation, columns, (alpha, beta, limit) = _activation(b, family, fc1, fc2, fc1_last_axis)
+        activation, columns, (alpha, beta, limit) = activation_step(
+            b, family, fc1, fc2, fc1_last_axis
+        )
     with part("target"):
         op, bits, block, dtype = _target(
             b, routing, activation, fc1, fc2, emit, hidden, inter, quantize
@@ -222,7 +219,14 @@ def finish_layer(
         routing = routing.as_selected(b["routing_weights"])
     if routing.selected:
         with part("routing"):
-            selected_routing(routing, tokens, root, e, r)
+            try:
+                selected_routing(routing, tokens, root, e, r)
+            except Refusal as refusal:
+                if routing.not_internal:  # and the probed near miss of the router's own form
+                    refusal.reason = (
+                        f"{refusal.reason}; as MoE/QMoE's own routing: {routing.not_internal}"
+                    )
+                raise
     with part("region"):
         if matched is not None:
             _weights_stay_inside(fc1, fc2, matched)
@@ -276,41 +280,6 @@ def _same_experts(fc1: tuple[ExpertWeights, ...], fc2: ExpertWeights) -> None:
                 "(expected [E, H, ...] with the same E and H)",
                 w.value,
             )
-
-
-def _activation(
-    b: Mapping[str, Any],
-    family: str,
-    fc1: tuple[ExpertWeights, ...],
-    fc2: ExpertWeights,
-    fc1_last_axis: int,
-) -> tuple[str, np.ndarray, tuple[float, float, float | None]]:
-    """The activation, FC1's columns in the fused node's order, and (alpha, beta, limit)."""
-    inter = fc2.shape[1]
-    n1 = sum(w.shape[2] for w in fc1)
-    if family == "elementwise":
-        activation = elementwise_activation(b)
-        if n1 != inter:
-            raise Refusal(f"FC1 has {n1} outputs but FC2 reads {inter}", fc1[0].value)
-        return activation, np.arange(n1), (1.0, 0.0, None)
-    params = swiglu_params(b)
-    if family == "gated":
-        if fc1[0].shape != fc1[1].shape:
-            raise Refusal("the gate and up experts have different shapes", fc1[1].value)
-        gate_cols = np.arange(fc1[0].shape[2])
-        lin_cols = fc1[0].shape[2] + np.arange(fc1[1].shape[2])
-    else:
-        fc1_out: ir.Value = b["fc1_out"]
-        gate_cols = gate_up_columns(b["swiglu_gate_src"], fc1_out, n1, fc1_last_axis, "gate")
-        lin_cols = gate_up_columns(b["swiglu_linear_src"], fc1_out, n1, fc1_last_axis, "linear")
-    if len(gate_cols) != inter or len(lin_cols) != inter:
-        raise Refusal(
-            f"the SwiGLU gate/linear operands have {len(gate_cols)}/{len(lin_cols)} columns "
-            f"but FC2 reads {inter}",
-            fc2.value,
-        )
-    columns = np.stack([gate_cols, lin_cols], axis=1).reshape(-1)  # row 2j gate, 2j+1 lin
-    return "swiglu", columns, params
 
 
 def _target(

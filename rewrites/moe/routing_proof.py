@@ -25,6 +25,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import lead_dims
+from onnx_moe_fuse.rewrites.moe.behaviour.routing import softmax_logits
 from onnx_moe_fuse.rewrites.moe.parts.routing import SELECTED
 from onnx_moe_fuse.rewrites.moe.plan import (
     bound_node,
@@ -84,6 +85,9 @@ class Routing:
     internal_scores: ir.Node | None  # the Softmax that becomes part of the fused node
     weights: ir.Value | None = None
     sums_to_one: bool = False
+    # why the router is not one MoE/QMoE compute themselves (a probed near miss), for the
+    # refusal of the router-agnostic routing when that fails too
+    not_internal: str | None = None
 
     @property
     def selected(self) -> bool:
@@ -108,10 +112,11 @@ def _routing_form(b: Mapping[str, Any], r: int, opset: int) -> Routing:
         return Routing(topk, k, b["router_scores"], 0, None, weights)
     try:
         return _softmax_routing(b, r, opset, topk, k)
-    except Refusal:
+    except Refusal as refusal:
         # not what MoE/QMoE's own softmax computes: fed as its selection and weights instead,
         # which the layer proof checks (moe.selected_weights) and refuses in its own words
-        return Routing(topk, k, b["router_scores"], 0, None, weights)
+        probed = refusal.reason if "probe" in refusal.reason else None  # a probed region
+        return Routing(topk, k, b["router_scores"], 0, None, weights, not_internal=probed)
 
 
 def _selection(b: Mapping[str, Any], r: int) -> tuple[ir.Node, int]:
@@ -140,9 +145,12 @@ def _softmax_routing(b: Mapping[str, Any], r: int, opset: int, topk: ir.Node, k:
     scores: ir.Value = b["router_scores"]
     producer = scores.producer()
     form = b.get("weight_form")
+    probed = bool(b.get("weights_by_behaviour"))  # the weights' region was probed (axes too)
     if form == "softmax_k":
         sm = bound_node(b, "routing_weights")
-        if sm is None or not is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r):
+        if not probed and (
+            sm is None or not is_last_axis(attr_int(sm, "axis", -1 if opset >= 13 else 1), r)
+        ):
             raise Refusal(
                 f"the Softmax over the top-k values '{label(sm)}' is not over the k axis", sm
             )
@@ -158,17 +166,16 @@ def _softmax_routing(b: Mapping[str, Any], r: int, opset: int, topk: ir.Node, k:
             producer,
         )
     if producer is None or producer.op_type != "Softmax":
-        what = "a graph input" if producer is None else f"{producer.op_type} '{label(producer)}'"
-        raise Refusal(
-            f"the top-k weights are not softmax probabilities: TopK '{label(topk)}' reads "
-            f"'{value_label(scores)}' ({what}) and its values are combined "
-            + ("after renormalising" if form != "as_is" else "as they are"),
-            topk,
-        )
-    if not is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
-        raise Refusal(f"Softmax '{label(producer)}' is not over the experts (last axis)", producer)
-    logits = producer.inputs[0]
-    assert logits is not None
+        logits = _written_softmax(scores, r, topk, form)
+    else:
+        if not is_last_axis(attr_int(producer, "axis", -1 if opset >= 13 else 1), r):
+            raise Refusal(
+                f"Softmax '{label(producer)}' is not over the experts (last axis)", producer
+            )
+        logits = producer.inputs[0]
+    assert logits is not None and producer is not None
+    if form in ("renorm_div", "renorm_reciprocal") and probed:
+        return Routing(topk, k, logits, 1, producer, sums_to_one=True)
     if form in ("renorm_div", "renorm_reciprocal"):
         s = bound_node(b, "renorm_sum")
         if s is None:
@@ -184,6 +191,23 @@ def _softmax_routing(b: Mapping[str, Any], r: int, opset: int, topk: ir.Node, k:
     if form == "as_is":
         return Routing(topk, k, logits, 0, producer)
     raise Refusal(f"unknown routing form {form!r}", topk)
+
+
+def _written_softmax(scores: ir.Value, r: int, topk: ir.Node, form: str | None) -> ir.Value:
+    """The logits of a softmax over the experts written out in element-wise ops (probed)."""
+    producer = scores.producer()
+    what = "a graph input" if producer is None else f"{producer.op_type} '{label(producer)}'"
+    try:
+        logits, _ = softmax_logits(scores, r)
+    except Refusal as refusal:
+        raise Refusal(
+            f"the top-k weights are not softmax probabilities: TopK '{label(topk)}' reads "
+            f"'{value_label(scores)}' ({what}) and its values are combined "
+            + ("after renormalising" if form != "as_is" else "as they are")
+            + f" ({refusal.reason})",
+            topk,
+        ) from None
+    return logits
 
 
 # -- 3. combine --------------------------------------------------------------------------------

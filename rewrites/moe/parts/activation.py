@@ -12,7 +12,12 @@ Families (each a few small patterns rooted at the activation's output)::
                   alpha and beta optional, every product in either order
 
 The identity (FC2 reads FC1 directly) is no pattern: the layer recogniser takes it when the
-activation is itself an FC1 projection. :func:`recognise_activation` returns an
+activation is itself an FC1 projection. Any other spelling is recognised by behaviour (kind
+``behaviour``): given ``is_fc1`` (does a value come out of an FC1 projection?), the element-wise
+region between FC1 and FC2 is cut out (:func:`~onnx_moe_fuse.rewrites.moe.behaviour.region.elementwise_region`)
+and its family read from its sources: two projections are ``gated``, one cut by a
+Slice/Split/Gather ``fused_gated``, one alone ``elementwise``; the proof probes it
+(:mod:`onnx_moe_fuse.rewrites.moe.behaviour.activation`). :func:`recognise_activation` returns an
 :class:`~.facts.ActivationFact` or raises a :class:`~onnx_moe_fuse.rewrites.graph.refusals.Refusal`
 of part ``activation``, naming what it found (a Sigmoid that reads the up projection instead of the
 gate, for instance). The constants (clamp limits, alpha, beta, the cut columns) are proved by the
@@ -21,6 +26,7 @@ layer proof.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import onnx_ir as ir
@@ -30,6 +36,8 @@ from onnx_moe_fuse.contract.ops import MS_DOMAIN
 from onnx_moe_fuse.rewrites.graph.facts import const_array, label, value_label
 from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellings
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.moe.behaviour.interpret import COLUMN_OPS
+from onnx_moe_fuse.rewrites.moe.behaviour.region import elementwise_region
 from onnx_moe_fuse.rewrites.moe.parts.facts import ActivationFact, half_precision
 
 __all__ = ["FAMILIES", "MS_DOMAIN", "identity_activation", "recognise_activation"]
@@ -150,8 +158,17 @@ _FC1_OUTPUTS = {
 }
 
 
-def recognise_activation(act: ir.Value, families: tuple[str, ...] = FAMILIES) -> ActivationFact:
-    """The activation whose output is ``act``, the first of ``families`` whose pattern matches."""
+def recognise_activation(
+    act: ir.Value,
+    families: tuple[str, ...] = FAMILIES,
+    is_fc1: Callable[[ir.Value], bool] | None = None,
+) -> ActivationFact:
+    """The activation whose output is ``act``: the first of ``families`` whose pattern matches.
+
+    When none does and ``is_fc1`` is given, the element-wise region back to the FC1 outputs
+    (:func:`behaviour_activation`); it raises this function's refusal when ``act`` is itself an
+    FC1 output (the identity, the caller's case) or the region holds no activation at all.
+    """
     node = act.producer()
     for family in families:
         found = first_match(_PATTERNS[family], node)
@@ -169,7 +186,62 @@ def recognise_activation(act: ir.Value, families: tuple[str, ...] = FAMILIES) ->
             nodes=match.nodes,
             bindings=b,
         )
+    if is_fc1 is not None and not _swapped_operands(act, is_fc1):
+        fact = behaviour_activation(act, is_fc1, families)
+        if fact is not None:
+            return fact
     raise _diagnose(act)
+
+
+def behaviour_activation(
+    act: ir.Value, is_fc1: Callable[[ir.Value], bool], families: tuple[str, ...] = FAMILIES
+) -> ActivationFact | None:
+    """The element-wise region from the FC1 outputs to ``act``: an activation of kind behaviour.
+
+    None when ``act`` is an FC1 output or reads none, or the family is not in ``families``; a
+    Refusal of part ``activation`` when the region is not element-wise.
+
+    A ``Mul(x, Sigmoid(y))`` whose ``y`` is not ``x`` (up to a clamp or a scale) is left to the
+    pattern diagnosis (:func:`recognise_activation` does not come here): the spelling
+    generator's swapped-gate mutant, which stays refused by name (see docs/rules.md).
+    """
+    try:
+        region = elementwise_region(act, is_fc1, "the activation")
+    except Refusal as refusal:
+        if refusal.part is None:
+            refusal.part = "activation"
+        raise
+    if region is None or not region.sources:
+        return None
+    if len(region.sources) > 2:
+        raise Refusal(
+            f"the activation '{value_label(act)}' reads {len(region.sources)} projections; a "
+            "fused node takes FC1 (and FC3) only",
+            act,
+            part="activation",
+        )
+    if len(region.sources) == 2:
+        family = "gated"
+    elif any(n.op_type in COLUMN_OPS for n in region.nodes):
+        family = "fused_gated"
+    else:
+        family = "elementwise"
+    if family not in families:
+        return None
+    b = {"act": act, "activation": "behaviour", "act_region": region}
+    if family == "gated":
+        b["fc1_gate_out"], b["fc1_up_out"] = region.sources
+    else:
+        b["fc1_out"] = region.sources[0]
+    nodes = tuple(n for n in region.nodes if const_array(n.outputs[0]) is None)
+    return ActivationFact(
+        family=family,
+        kind="behaviour",
+        output=act,
+        fc1_outputs=region.sources,
+        nodes=nodes,
+        bindings=b,
+    )
 
 
 def identity_activation(fc1_out: ir.Value) -> ActivationFact:
@@ -216,11 +288,8 @@ def _sigmoid_products(node: ir.Node | None, depth: int = 2):
             yield from _sigmoid_products(p, depth - 1)
 
 
-def _diagnose(act: ir.Value):
-    """The failure for an activation no pattern matches: the mis-wired Sigmoid if there is one."""
-    half = half_precision("the activation", act)
-    if half is not None:
-        return half
+def _miswired_sigmoid(act: ir.Value) -> Refusal | None:
+    """The refusal for a ``Mul(x, Sigmoid(y))`` at or below ``act`` whose ``y`` is not ``x``."""
     node = act.producer()
     for multiplied, sigmoid in _sigmoid_products(node):
         read = sigmoid.inputs[0]
@@ -235,6 +304,43 @@ def _diagnose(act: ir.Value):
                 sigmoid,
                 part="activation",
             )
+    return None
+
+
+def _swapped_operands(act: ir.Value, is_fc1: Callable[[ir.Value], bool]) -> bool:
+    """A ``Mul(x, Sigmoid(y))`` below ``act`` whose ``x`` and ``y`` are two FC1 operands.
+
+    (Each an FC1 output or a Slice/Split/Gather of one, up to a clamp or a scale.) That is the
+    spelling generator's swapped-gate mutant; its refusal names the Sigmoid.
+    """
+
+    def operand(value: ir.Value) -> ir.Value | None:
+        value = _through_scaling(value)
+        node = value.producer()
+        if is_fc1(value):
+            return value
+        if node is not None and node.op_type in COLUMN_OPS and node.inputs[0] is not None:
+            return value if is_fc1(node.inputs[0]) else None
+        return None
+
+    for multiplied, sigmoid in _sigmoid_products(act.producer()):
+        if sigmoid.inputs[0] is None:
+            continue
+        x, y = operand(multiplied), operand(sigmoid.inputs[0])
+        if x is not None and y is not None and x is not y:
+            return True
+    return False
+
+
+def _diagnose(act: ir.Value):
+    """The failure for an activation no pattern matches: the mis-wired Sigmoid if there is one."""
+    half = half_precision("the activation", act)
+    if half is not None:
+        return half
+    node = act.producer()
+    miswired = _miswired_sigmoid(act)
+    if miswired is not None:
+        return miswired
     what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
     return Refusal(
         f"the activation '{value_label(act)}' ({what}) that FC2 reads is not one the fused ops "

@@ -155,7 +155,8 @@ class ActivationFact:
 
     ``family``: ``gated`` (SwiGLU of two projections), ``fused_gated`` (SwiGLU of one FC1 cut
     by Slice/Split) or ``elementwise``; ``kind`` the spelling (``swiglu``, ``relu``, ``gelu``,
-    ``silu_mul``, ``swish``, ``erf_gelu``, ``identity``, ...); ``fc1_outputs`` the FC1 values
+    ``silu_mul``, ``swish``, ``erf_gelu``, ``identity``, ..., or ``behaviour``: no spelling matched,
+    the bindings hold the element-wise region, ``act_region``, for the probe proof); ``fc1_outputs`` the FC1 values
     it reads (gate then up for ``gated``), ``output`` what FC2 reads.
     """
 

@@ -44,12 +44,32 @@ __all__ = ["FC1_TAGS", "escaping_value", "recognise_layer"]
 FC1_TAGS = {"gated": ("fc1_gate", "fc1_up"), "fused_gated": ("fc1",), "elementwise": ("fc1",)}
 
 
+#: The ops an FC1 projection's output comes out of (its patterns' roots), a cheap pre-filter.
+_PROJECTION_ROOTS = frozenset({"Squeeze", "Reshape", "Add", "GroupedMatMul", "MatMul"})
+
+
+def _is_fc1(source: str):
+    """Whether a value is an FC1 projection's output (for the activation's region walk)."""
+
+    def is_fc1(value: ir.Value) -> bool:
+        node = value.producer()
+        if node is None or node.op_type not in _PROJECTION_ROOTS:
+            return False
+        try:
+            recognise_projection(value, "fc1", source, "fc1")
+        except Refusal:
+            return False
+        return True
+
+    return is_fc1
+
+
 def _activation_and_fc1(
     act: ir.Value, source: str, families: tuple[str, ...]
 ) -> tuple[ActivationFact, tuple[ProjectionFact, ...]]:
     """The activation FC2 reads and the FC1 projection(s) it is made of."""
     try:
-        activation = recognise_activation(act, families)
+        activation = recognise_activation(act, families, _is_fc1(source))
     except Refusal as no_activation:
         if "elementwise" not in families:
             raise

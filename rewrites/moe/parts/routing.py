@@ -7,6 +7,8 @@ Spellings (each a small pattern rooted where the weights are made)::
             | Mul(values, Reciprocal(ReduceSum(values, axes?)))      renorm_reciprocal (either order)
             | Softmax(values)                                        softmax_k
             | values                                                 as_is
+            | any other element-wise region of the values alone, probed against the three
+              (``moe.behaviour.routing.weights_form``; ``weights_by_behaviour`` set)
 
 :func:`recognise_routing` returns a :class:`~.facts.RoutingFact`; what the scores are (a
 Softmax of the router logits, over which axis, with which k) is proved by
@@ -21,9 +23,10 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from onnx_moe_fuse.rewrites.graph.facts import label, value_label
+from onnx_moe_fuse.rewrites.graph.facts import label, static_rank, value_label
 from onnx_moe_fuse.rewrites.graph.match import PartPattern, first_match, spellings
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
+from onnx_moe_fuse.rewrites.moe.behaviour.routing import weights_form
 from onnx_moe_fuse.rewrites.moe.parts.facts import RoutingFact, half_precision, precision_cast
 
 __all__ = ["SELECTED", "WEIGHT_FORMS", "recognise_routing", "routing_pattern", "selected_routing"]
@@ -142,6 +145,9 @@ def _recognise_routing(weights: ir.Value) -> RoutingFact:
         half = half_precision("routing", weights)
         if half is not None:
             raise half
+        by_behaviour = _by_behaviour(weights)
+        if by_behaviour is not None:
+            return by_behaviour
         what = "a graph input" if node is None else f"{node.op_type} '{label(node)}'"
         raise Refusal(
             f"the routing weights '{value_label(weights)}' ({what}) are not the values of a TopK "
@@ -153,6 +159,36 @@ def _recognise_routing(weights: ir.Value) -> RoutingFact:
     form, match = found
     topk = match.bindings["topk_values"].producer()
     return _fact(topk, weights, form, match.nodes, match.bindings)
+
+
+def _by_behaviour(weights: ir.Value) -> RoutingFact | None:
+    """Weights written out from a TopK's values, recognised by probing (None: not from one).
+
+    The form is ``renorm_div``, ``softmax_k`` or ``as_is`` with ``weights_by_behaviour`` set
+    (the proof skips the structural checks of the patterns' nodes: probing proved the axes). A
+    region of TopK values that computes none of them raises, naming the closest.
+    """
+    rank = static_rank(weights)
+    if rank is None or rank < 2:
+        return None
+    try:
+        found = weights_form(weights, rank)
+    except Refusal as refusal:
+        refusal.part = refusal.part or "routing"
+        raise
+    if found is None:
+        return None
+    topk, form, region = found
+    b = {
+        "router_scores": topk.inputs[0],
+        "topk_k": topk.inputs[1] if len(topk.inputs) > 1 else None,
+        "topk_values": topk.outputs[0],
+        "topk_indices": topk.outputs[1],
+        "weights_by_behaviour": True,
+    }
+    form = {"renorm": "renorm_div"}.get(form, form)
+    nodes = tuple(n for n in region.nodes if n.outputs[0] not in region.constants)
+    return _fact(topk, weights, form, (topk, *nodes), b)
 
 
 def _selection_topk(indices: ir.Value | None) -> ir.Node | None:
