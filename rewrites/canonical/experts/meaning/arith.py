@@ -18,17 +18,20 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning import dense
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import dense, sorted_rows
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,
     broadcast_axes,
     normalise,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
+    SORTED,
     AccRows,
     Act,
     Axis,
     BranchUpdate,
+    Chosen,
+    Counts,
     DenseWeights,
     ExpertSum,
     Factor,
@@ -47,7 +50,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     WeightSource,
     axis_size,
     filtered_expert,
-    filtered_var,
     is_repeat,
     is_row_var,
 )
@@ -77,7 +79,7 @@ ELEMENTWISE = frozenset(
         "Sigmoid", "HardSigmoid", "Tanh", "Relu", "LeakyRelu", "Exp", "Log", "Abs", "Neg",
         "Sqrt", "Reciprocal", "Erf", "Softplus", "Softsign", "Swish", "Gelu", "Elu", "Selu",
         "Celu", "Mish", "HardSwish", "ThresholdedRelu", "PRelu", "Sign", "Identity", "Cast",
-        "Dropout", "Mod",
+        "Dropout", "Mod", "Floor",
     }
 )  # fmt: skip
 
@@ -126,14 +128,16 @@ def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
     if any(not is_const(v) for v in foreign):
         name = next(v.name for v in foreign if not is_const(v))
         raise Departure(f"{op} with '{name}', a value this analysis does not describe")
-    if op in ("Identity", "Dropout") or (op == "Cast" and _int_like(terms)):
+    if op in ("Identity", "Dropout"):
         return described[0]
+    if op == "Cast" and _int_like(terms):
+        return _cast_index(node, described[0], k)
     if all(_routing(t) for t in terms):
         return routing_value(node, described, k)
     if any(isinstance(t, Ids) for t in terms):
         raise Departure(f"{op} of the expert indices (they may only select experts)")
     if all(isinstance(t, RowIndex) for t in terms):
-        return _index_arithmetic(node, ins)
+        return _index_arithmetic(node, ins, k)
     if op == "Add" and len(described) == 1 and isinstance(terms[0], Proj):
         if terms[0].expert is not None or terms[0].stage == 2:
             return _const_bias(node, ins, described[0])
@@ -149,7 +153,9 @@ def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
 
 
 def _int_like(terms: list[Term]) -> bool:
-    return bool(terms) and all(isinstance(t, Ids | RowIndex | Mask) for t in terms)
+    return bool(terms) and all(
+        isinstance(t, Ids | RowIndex | Mask | Chosen | Counts) for t in terms
+    )
 
 
 def routing_value(node: ir.Node, described: list[Meaning], k: int) -> Meaning:
@@ -166,10 +172,65 @@ def routing_value(node: ir.Node, described: list[Meaning], k: int) -> Meaning:
     return Meaning(axes, Routing())
 
 
-def _index_arithmetic(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
-    """``Div``/``Mod``/``Mul`` of a row index by an integer constant; ``Add`` of two."""
+def _cast_index(node: ir.Node, m: Meaning, k: int) -> Meaning:
+    """A Cast of indices: the same values; to an integer type, a float division truncated."""
+    term = m.term
+    to = attr_int(node, "to", 0)
+    integer = to in (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT16, ir.DataType.INT8)
+    if isinstance(term, RowIndex) and term.div != 1 and integer:
+        return _floor_div(node, m, term.div, k, keep_high=True)  # >= 0: trunc is floor
+    return m
+
+
+def _floor_div(node: ir.Node, m: Meaning, c: int, k: int, keep_high: bool) -> Meaning:
+    """``floor(index / c)`` (or ``index mod c``) where the low part provably stays below c."""
+    term = m.term
+    assert isinstance(term, RowIndex)
+    coefs = dict(term.coefs)
+    sizes = {"j": Dim.of(k), **{f.var: f.size for f in m.factors()}}
+    high = {v: n // c for v, n in coefs.items() if n % c == 0}
+    low = {v: n for v, n in coefs.items() if n % c != 0}
+    top = 0
+    for v, n in low.items():
+        size = sizes.get(v)
+        if size is None or size.syms or n < 0:
+            raise Departure(f"{node.op_type} of a row index whose low part is not bounded")
+        top += n * (size.coef - 1)
+    if top >= c:
+        raise Departure(f"{node.op_type} by {c} of a row index whose low part reaches {top}")
+    kept = high if keep_high else low
+    return Meaning(m.axes, RowIndex(tuple(kept.items())))
+
+
+def _index_arithmetic(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
+    """``Div``/``Mod``/``Mul`` of a row index by an integer constant; ``Add`` of two.
+
+    Also torch's ``div(rounding_mode="trunc")`` of a non-negative index as exported: a float
+    ``Div`` then ``Mul(Floor(Abs(q)), Sign(q))`` (or a Cast back to integers), which is the
+    floor of the quotient.
+    """
     described = [x for x in ins if x is not None]
-    if len(described) == 2 and node.op_type == "Add":
+    op = node.op_type
+    if len(described) == 1 and op in ("Abs", "Floor", "Sign"):
+        (m,) = described
+        t = m.term
+        assert isinstance(t, RowIndex)
+        if any(n < 0 for _, n in t.coefs) or t.sign:
+            raise Departure(f"{op} of a row index that may be negative")
+        if op == "Abs":
+            return m
+        if op == "Sign":
+            return Meaning(m.axes, RowIndex(t.coefs, t.div, sign=True))
+        return _floor_div(node, m, t.div, k, keep_high=True) if t.div != 1 else m
+    if len(described) == 2 and op == "Mul":
+        a, b = described
+        if b.term.sign and not a.term.sign:  # type: ignore[attr-defined]
+            a, b = b, a
+        sa, tb = a.term, b.term
+        if sa.sign and not tb.sign and tb.div == 1:  # type: ignore[attr-defined]
+            # floor(q) * sign(q) for q >= 0: floor(q) (0 where q is 0 either way)
+            return Meaning(broadcast_axes(a.axes, b.axes), tb)
+    if len(described) == 2 and op == "Add":
         a, b = described
         axes = broadcast_axes(a.axes, b.axes)
         coefs = dict(a.term.coefs)  # type: ignore[attr-defined]
@@ -183,26 +244,20 @@ def _index_arithmetic(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
     assert isinstance(term, RowIndex)
     other = next((v for v, x in zip(node.inputs, ins, strict=False) if x is None), None)
     c = small_const(other)
+    if c is not None and c.size == 1 and c.dtype.kind == "f" and op == "Div" and ins[0] is not None:
+        value = float(c.reshape(-1)[0])
+        if value > 0 and value == int(value) and term.div == 1 and not term.sign:
+            return Meaning(m.axes, RowIndex(term.coefs, div=int(value)))
     if c is None or c.size != 1 or c.dtype.kind not in "iu" or ins[0] is None:
         raise Departure(f"{node.op_type} of a row index by other than an integer constant")
+    if term.div != 1 or term.sign:
+        raise Departure(f"{node.op_type} of a row index still divided or a sign")
     c = int(c.reshape(-1)[0])
     coefs = dict(term.coefs)
-    sizes = {f.var: f.size for f in m.factors()}
     if node.op_type == "Mul":
         return Meaning(m.axes, RowIndex(tuple((v, n * c) for v, n in coefs.items())))
     if node.op_type in ("Div", "Mod") and c > 0:
-        high = {v: n // c for v, n in coefs.items() if n % c == 0}
-        low = {v: n for v, n in coefs.items() if n % c != 0}
-        top = 0
-        for v, n in low.items():
-            size = sizes.get(v)
-            if size is None or size.syms or n < 0:
-                raise Departure(f"{node.op_type} of a row index whose low part is not bounded")
-            top += n * (size.coef - 1)
-        if top >= c:
-            raise Departure(f"{node.op_type} by {c} of a row index whose low part reaches {top}")
-        kept = high if node.op_type == "Div" else low
-        return Meaning(m.axes, RowIndex(tuple(kept.items())))
+        return _floor_div(node, m, c, k, keep_high=node.op_type == "Div")
     raise Departure(f"{node.op_type} of a row index")
 
 
@@ -382,6 +437,10 @@ def _check_rows(axes: tuple[Axis, ...], what: str, k: int) -> int | None:
     row_vars = [f.var for a in axes for f in a if is_row_var(f.var) and not is_repeat(f.var)]
     if len(row_vars) != len(set(row_vars)):
         raise Departure(f"{what} in which each row meets every token's expert (not per slot)")
+    if SORTED in row_vars:  # every (token, slot) row, sorted by expert
+        if row_vars != [SORTED]:
+            raise Departure(f"{what} whose rows mix the sorted rows with other indices")
+        return None
     if "e" in row_vars:  # a dense form: every expert's output for every token
         if "t" not in row_vars and not any(v.startswith("t.") for v in row_vars):
             raise Departure(f"{what} of every expert whose rows are not the tokens")
@@ -390,7 +449,7 @@ def _check_rows(axes: tuple[Axis, ...], what: str, k: int) -> int | None:
         return None
     branches = [filtered_expert(v) for v in row_vars if filtered_expert(v) is not None]
     if branches:
-        if row_vars != [filtered_var(branches[0])]:
+        if len(row_vars) != 1:
             raise Departure(f"{what} whose rows mix a loop branch's rows with other indices")
         return branches[0]
     if "j" not in row_vars and k > 1:  # at k = 1 the slot index is 0 everywhere: no axis
@@ -454,7 +513,8 @@ def _branch_projection(a: Meaning, b: Meaning, k: int) -> Meaning:
         raise Departure(
             f"a projection by the single weight {tb.source.name} of rows of every expert"
         )
-    if not isinstance(ta, Tokens) and getattr(_leaf(ta), "expert", None) != expert:
+    leaf_expert = getattr(_leaf(ta), "expert", None)
+    if not isinstance(ta, Tokens) and leaf_expert is not None and leaf_expert != expert:
         raise Departure(f"expert {expert}'s FC2 of another branch's activations")
     stage = 1 if isinstance(ta, Tokens) else 2
     return Meaning(axes, Proj(stage, ta, tb, kb.var, nb.var, expert=expert))
@@ -507,7 +567,10 @@ def reduce_sum(node: ir.Node, m: Meaning, k_slots: int) -> Meaning:
     out = [() if i in axes and keep else a for i, a in enumerate(m.axes) if keep or i not in axes]
     if isinstance(m.term, Weights | Routing):
         return Meaning(tuple(out), Routing())
-    by_expert = dense.summed_over_experts(m, [m.axes[i] for i in axes if m.axes[i]], out, k_slots)
+    summed = [m.axes[i] for i in axes if m.axes[i]]
+    by_expert = dense.summed_over_experts(m, summed, out, k_slots)
+    if by_expert is None:
+        by_expert = sorted_rows.counts(node, m, summed, out)
     if by_expert is not None:
         return by_expert
     if all(not m.axes[i] for i in axes):  # only unit axes: the same values, relaid

@@ -75,6 +75,9 @@ class LayerParts:
 
 def stack_shape(p: Param) -> tuple[int, ...] | None:
     """The shape of a weight's source (a DequantizeLinear's: its codes')."""
+    if p.experts:  # the experts' own weights, stacked
+        first = stack_shape(p.experts[0])
+        return None if first is None else (len(p.experts), *first)
     source = p.source
     value = source.value if source.dq is None else source.inputs[0]
     shape = const_shape(value)
@@ -178,10 +181,11 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
 
     def projection(terms: list[Proj]) -> Projection:
         p = terms[0]
-        biases = None if p.bias is None else tuple(t.bias for t in terms)  # type: ignore[misc]
-        return Projection(
-            tuple(t.weight for t in terms), biases, p.contracted == p.weight.feats[0], p
-        )
+        weights = tuple(w for t in terms for w in (t.weight.experts or (t.weight,)))
+        biases = None
+        if p.bias is not None:
+            biases = tuple(b for t in terms for b in (t.bias.experts or (t.bias,)))  # type: ignore[union-attr]
+        return Projection(weights, biases, p.contracted == p.weight.feats[0], p)
 
     fc1 = tuple(projection([b.leaves[i] for b in branches]) for i in range(len(head.leaves)))
     fc2 = projection([b.weighted.expert for b in branches])

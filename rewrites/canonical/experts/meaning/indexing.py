@@ -34,6 +34,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     unify_axis,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
+    SORTED,
     AccRows,
     Axis,
     BranchUpdate,
@@ -78,6 +79,7 @@ __all__ = [
     "row_range",
     "scatter",
     "single_weight",
+    "zeros_dims",
 ]
 
 
@@ -178,7 +180,7 @@ def _accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
     """Zeros ``[T, O]`` as the empty sum of the experts' outputs (one per value)."""
     if id(value) in ctx.zeros:
         return ctx.zeros[id(value)]
-    dims = _zeros_dims(value)
+    dims = zeros_dims(value)
     if not is_zeros(value) or dims is None or len(dims) != 2 or dims[0] != ctx.tokens:
         return None
     m = Meaning(((Factor("t", ctx.tokens),), (Factor("o", dims[1]),)), ExpertSum(()))
@@ -186,7 +188,7 @@ def _accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
     return m
 
 
-def _zeros_dims(value: ir.Value) -> list[Dim] | None:
+def zeros_dims(value: ir.Value) -> list[Dim] | None:
     """The dims of a zeros tensor: its shape operand's where it is made from one."""
     node = value.producer()
     if node is not None and node.op_type == "ConstantOfShape":
@@ -408,7 +410,8 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if not filtered:  # every (token, slot) row at once: the per-slot combine
         if not isinstance(term, Weighted) or total.branches:
             raise Departure(f"a {node.op_type} of {term.text()} (expected the weighted outputs)")
-        if sorted(rows) != ["j", "t"] and not (ctx.k == 1 and rows == ["t"]):
+        every = sorted(rows) == ["j", "t"] or rows == [SORTED]
+        if not every and not (ctx.k == 1 and rows == ["t"]):
             raise Departure(f"a {node.op_type} of rows over {sorted(rows)}, not every (t, j)")
         if reduction != "add" and not (reduction == "none" and ctx.k == 1):
             raise Departure(

@@ -20,12 +20,19 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning import arith, dense, indexing, layout
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
+    arith,
+    dense,
+    indexing,
+    layout,
+    sorted_rows,
+)
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Act,
     Coords,
+    Counts,
     ExpertSum,
     Factor,
     Ids,
@@ -395,6 +402,12 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
         if described and all(isinstance(m.term, Weights | Routing) for m in described):
             return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
+    if first is not None and isinstance(first.term, Counts) and op in ("Slice", "Gather"):
+        return [_pick_counts(node, first)]
+    if op == "Split" and first is not None and len(ins) > 1 and ins[1] is not None:
+        return sorted_rows.split_segments(node, first, ins[1], ctx)
+    if op == "TopK":
+        return sorted_rows.argsort(node, first, ctx)
     if first is not None and isinstance(first.term, Coords) and op in ("Slice", "Split", "Gather"):
         return _coords(node, first, ctx)
     if op in ("Slice", "Split") or (op == "Gather" and first is not None and _is_act(first)):
@@ -428,11 +441,15 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op == "Concat" and first is not None and all(v is node.inputs[0] for v in node.inputs):
         return [_copies(node, first)]
     if op == "Concat":
-        return [_concat_indices(node, ins)]
+        joined = sorted_rows.concat_counts(ins) or sorted_rows.concat_segments(node, ins, ctx)
+        return [joined if joined is not None else _concat_indices(node, ins)]
     if op == "DequantizeLinear":
         return [indexing.dequantize(node, ins)]
     if op in ("ScatterElements", "ScatterND"):
-        weights = dense.scattered_weights(node, ins, ins[0] is None and is_zeros(node.inputs[0]))
+        into_zeros = ins[0] is None and is_zeros(node.inputs[0])
+        weights = dense.scattered_weights(node, ins, into_zeros) or sorted_rows.chosen(
+            node, ins, into_zeros
+        )
         return [weights if weights is not None else indexing.scatter(node, ins, ctx)]
     if described and all(isinstance(m.term, Weights | Routing) for m in described):
         return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
@@ -500,6 +517,22 @@ def _coords(node: ir.Node, first: Meaning, ctx: Context) -> list[Meaning | None]
     step = int(steps.reshape(-1)[0]) if steps is not None else 1
     picked = list(range(n))[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
     return [indexing.coords_select(node, first, axis, picked, False)]
+
+
+def _pick_counts(node: ir.Node, first: Meaning) -> Meaning:
+    """Some experts' counts: a Slice or a Gather of the counts at constants."""
+    count = len(first.term.experts) if first.term.experts is not None else None  # type: ignore[attr-defined]
+    if node.op_type == "Gather":
+        index = small_const(node.inputs[1])
+        if index is None:
+            raise Departure("a Gather of the experts' counts at other than a constant")
+        return sorted_rows.count_pick(node, first, [int(i) for i in index.reshape(-1)])
+    starts, ends = small_const(node.inputs[1]), small_const(node.inputs[2])
+    if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+        raise Departure("a Slice of the experts' counts at other than constants")
+    top = count if count is not None else 1 << 30
+    lo, hi = int(starts.reshape(-1)[0]), min(int(ends.reshape(-1)[0]), top)
+    return sorted_rows.count_pick(node, first, list(range(lo, hi)))
 
 
 def _copies(node: ir.Node, first: Meaning) -> Meaning:

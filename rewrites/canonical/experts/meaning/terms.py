@@ -66,6 +66,9 @@ __all__ = [
     "AccRows",
     "BranchUpdate",
     "DenseWeights",
+    "Counts",
+    "Chosen",
+    "SORTED",
 ]
 
 _REPEATS = count()
@@ -106,14 +109,23 @@ def is_row_var(var: str) -> bool:
     return var in ("j", "t", "e") or var.startswith(("t.", "@")) or is_repeat(var)
 
 
-def filtered_var(expert: int) -> str:
-    """The index over the (token, slot) pairs that chose ``expert``, in row-major order."""
-    return f"@{expert}"
+def filtered_var(expert: int, sorted_rows: bool = False) -> str:
+    """The index over the (token, slot) pairs that chose ``expert``.
+
+    In row-major order (``NonZero``'s, ``@e``), or in the order of an argsort of the ids
+    (``@es``: a segment of :data:`SORTED`); two orders never meet in one elementwise op.
+    """
+    return f"@{expert}s" if sorted_rows else f"@{expert}"
+
+
+#: The index over every (token, slot) pair in the order of an argsort of the flat ids.
+SORTED = "@s"
 
 
 def filtered_expert(var: str) -> int | None:
     """The expert a filtered-row index is over (None for other indices)."""
-    return int(var[1:]) if var.startswith("@") and var[1:].isdigit() else None
+    digits = var[1:-1] if var.endswith("s") else var[1:]
+    return int(digits) if var.startswith("@") and digits.isdigit() else None
 
 
 class Term:
@@ -152,11 +164,16 @@ class RowIndex(Term):
     """An integer tensor whose element at the axes' indices is ``sum c_v * v``."""
 
     coefs: tuple[tuple[str, int], ...]
+    div: int = 1  # a float division not yet floored: the value is the sum / div
+    sign: bool = False  # the sign of the index (1, or 0 where it is 0)
 
     def text(self) -> str:
         """E.g. ``the integers t*2 + j``."""
         terms = [v if c == 1 else f"{v}*{c}" for v, c in self.coefs]
-        return f"the integers {' + '.join(terms) or '0'}"
+        value = " + ".join(terms) or "0"
+        if self.sign:
+            return f"the sign of {value}"
+        return f"the integers {value}" if self.div == 1 else f"({value}) / {self.div}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,6 +223,7 @@ class Param(Term):
     feats: tuple[str, ...]
     selected: bool = False
     single: bool = False  # one expert's own weight (no expert axis): a loop's branch
+    experts: tuple[Param, ...] = ()  # selected: the experts' own weights, in expert order
 
     progress = 1
 
@@ -345,6 +363,31 @@ class AccRows(Term):
     def text(self) -> str:
         """The accumulator read back."""
         return f"{self.total.text()}, read at a branch's tokens"
+
+
+@dataclass(frozen=True)
+class Counts(Term):
+    """How many (token, slot) pairs chose each expert of ``experts`` (in that order)."""
+
+    experts: tuple[int, ...] | None  # None: every expert, along an ``e`` axis
+
+    progress = 1
+
+    def text(self) -> str:
+        """The counts."""
+        which = "every expert" if self.experts is None else f"experts {list(self.experts)}"
+        return f"the number of rows that chose {which}"
+
+
+@dataclass(frozen=True)
+class Chosen(Term):
+    """``[e in idx[t, :]]``: 1 where token t chose expert e."""
+
+    progress = 1
+
+    def text(self) -> str:
+        """The choice matrix."""
+        return "the 0/1 choices [e in idx[t, :]]"
 
 
 @dataclass(frozen=True, eq=False)
