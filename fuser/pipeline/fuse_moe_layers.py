@@ -467,14 +467,14 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
 
 
 def _meaning_record(refusals: list[Refusal], topk: ir.Node) -> Refusal | None:
-    """The meaning pass's record for ``topk``, unless a layer-form pass recorded one.
+    """The record that points at the node for ``topk``: a layer-form pass's, else the meaning pass's.
 
     A loop, dense or sorted pass that recognised the layer and left it knows the precise fact
-    (weights that are graph inputs, a sort not undone): its record stays the reason.
+    (weights that are graph inputs, a sort not undone): its record stays the reason (None when
+    it names no part, the meaning pass's points instead).
     """
-    if any(r.topk is topk and r.stage != MEANING for r in refusals):
-        return None
-    return recorded(refusals, MEANING, topk)
+    named = [r for r in refusals if r.topk is topk and r.stage != MEANING and r.part is not None]
+    return named[0] if named else recorded(refusals, MEANING, topk)
 
 
 def shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:
