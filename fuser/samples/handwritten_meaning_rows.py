@@ -14,7 +14,8 @@ and only the piece under test changes:
 * :func:`top1_squeezed`: k = 1 with the slot axis squeezed away (ids ``[T]``, weights ``[T, 1]``).
 
 Traps: :func:`trap_rows_wrong_token` (rows gathered by ``Range(T*k) % T``, so slot j of token t
-reads another token) and :func:`trap_scatter_wrong_token` (each row added into the next token).
+reads another token), :func:`trap_scatter_wrong_token` (each row added into the next token) and
+:func:`trap_top1_one_minus` (the k = 1 output weighted by ``1 - p``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "top1_squeezed",
     "trap_rows_wrong_token",
     "trap_scatter_wrong_token",
+    "trap_top1_one_minus",
 ]
 
 #: The ways :func:`rows_layout` repeats the token rows.
@@ -213,11 +215,14 @@ def trap_scatter_wrong_token(seed: int = 193) -> HandwrittenLayer:
     return scatter_combine("scatter_elements", seed, shift=1)
 
 
-def top1_squeezed(seed: int = 194) -> HandwrittenLayer:
-    """k = 1 with the slot axis squeezed away: ids ``[T]``, output times the top probability."""
+def top1_squeezed(seed: int = 194, one_minus: bool = False) -> HandwrittenLayer:
+    """k = 1 with the slot axis squeezed away: ids ``[T]``, output times the top probability.
+
+    ``one_minus`` (the trap): the output is weighted by ``1 - p_top``, no router's weight.
+    """
     rng = np.random.default_rng(seed)
     h, i, e = 32, 64, 4
-    g = Graph("top1")
+    g = Graph("top1" if not one_minus else "top1_trap")
     x = g.input("x", ["T", h])
     probs = g.op(
         "Softmax", [g.op("MatMul", [x, g.init("wg", normal(rng, (h, e), h))], "z")], "p", axis=-1
@@ -232,10 +237,23 @@ def top1_squeezed(seed: int = 194) -> HandwrittenLayer:
     act = g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a], "sa")], "silu_a"), b], "ab")
     w2 = g.op("Gather", [g.init("w2", normal(rng, (e, i, h), i)), ids], "w2_t", axis=0)
     out = g.op("Squeeze", [g.op("MatMul", [act, w2], "o3"), g.init("mid_sq", [1])], "o")
+    if one_minus:
+        p1 = g.op("Sub", [g.init("one_f", np.array(1.0, np.float32)), p1], "p_rest")
     g.op("Mul", [out, p1], "y")
     g.output("y", ["T", h])
+    if one_minus:
+        return HandwrittenLayer(
+            g.model(21),
+            "trap: k = 1 layer whose output is weighted by 1 - p_top",
+            Refused("routing", "routing"),
+        )
     return HandwrittenLayer(
         g.model(21),
         "k = 1: TopK(1) ids squeezed to [T], weights gathered [T, H, I], output times p_top",
         Fused("MoE", moe_attrs(1, "swiglu", normalize=0)),
     )
+
+
+def trap_top1_one_minus(seed: int = 195) -> HandwrittenLayer:
+    """Trap: :func:`top1_squeezed` weighted by ``1 - p_top``."""
+    return top1_squeezed(seed, one_minus=True)
