@@ -242,5 +242,5 @@ def trap_softmax_token_axis(seed: int = 186) -> HandwrittenLayer:
     return HandwrittenLayer(
         g.model(21),
         "trap: router softmax written by hand over the token axis (axis 0)",
-        Refused("routing", "routing"),
+        Refused("routing", "token axis"),
     )

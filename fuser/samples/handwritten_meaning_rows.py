@@ -198,10 +198,12 @@ def scatter_combine(op: str, seed: int = 192, shift: int = 0) -> HandwrittenLaye
         return HandwrittenLayer(
             g.model(21),
             f"trap: {op} add of each weighted row into the next token ((t + {shift}) mod T)",
-            Refused("combine", "combine"),
+            Refused("combine", "token"),
         )
-    how = "ScatterElements(zeros, token_of_row, rows, axis 0" if op == "scatter_elements" else (
-        "ScatterND(zeros, token_of_row[:, None], rows"
+    how = (
+        "ScatterElements(zeros, token_of_row, rows, axis 0"
+        if op == "scatter_elements"
+        else ("ScatterND(zeros, token_of_row[:, None], rows")
     )
     return HandwrittenLayer(
         g.model(21),
@@ -245,7 +247,7 @@ def top1_squeezed(seed: int = 194, one_minus: bool = False) -> HandwrittenLayer:
         return HandwrittenLayer(
             g.model(21),
             "trap: k = 1 layer whose output is weighted by 1 - p_top",
-            Refused("routing", "routing"),
+            Refused("routing", "weight"),
         )
     return HandwrittenLayer(
         g.model(21),

@@ -250,7 +250,7 @@ def qwen3_flat_int4(
             g.model(21),
             "trap: Qwen3 flat int4 layer whose flat weights are slot-major (Transpose first), "
             "so row t*k + j is weighted by another token's or slot's weight",
-            Refused("combine", "combine"),
+            Refused("combine", "weight"),
         )
     return HandwrittenLayer(
         g.model(21),
@@ -304,7 +304,6 @@ def gmm_swish_fc3(seed: int = 206, down_other_slot: bool = False) -> Handwritten
         "opset 29: GroupedMatMul gate, up and down projections, activation Swish(gate) * up",
         Fused("MoE", moe_attrs(k, "swiglu")),
     )
-
 
 
 def trap_gmm_down_other_slot(seed: int = 207) -> HandwrittenLayer:
