@@ -217,9 +217,7 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
         "model_class": variant.family.model_class,
         "config_class": variant.family.config_class,
         "experts_implementation": (
-            variant.impl
-            if variant.family.dispatches_experts
-            else "n/a (the experts class does not dispatch: dense bmm over all experts)"
+            variant.impl if variant.family.dispatches_experts else variant.family.experts_note
         ),
         "dynamic_shapes": variant.dynamic,
         "opset": variant.opset,
@@ -236,6 +234,7 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
         "router": variant.family.router,
         "expected": expected,
         "expected_layers": expected_layers,
+        **_attention_experts(variant.family, layers),
         **({"expected_ort_cuda": expected_cuda} if variant.dtype != "float32" else {}),
         "reference": {
             "file": f"{variant.name}.npz",
@@ -260,6 +259,21 @@ def run_variant(variant: Variant, out_dir: Path) -> dict[str, Any]:
         json.dumps(record, indent=2) + "\n", encoding="utf-8"
     )
     return record
+
+
+def _attention_experts(family: Family, layers: list[tuple[int, str]]) -> dict[str, Any]:
+    """The record's ``expected_attention_experts``: each MoA layer's TopK, refused (no fused op)."""
+    if not family.attention_experts:
+        return {}
+    why = (
+        "a mixture of attention experts (per-slot query and output projections around the "
+        "attention): no fused MoE op computes it, so its TopK is left alone"
+    )
+    return {
+        "expected_attention_experts": [
+            {"layer": index, "outcome": "refused", "why": why} for index, _ in layers
+        ]
+    }
 
 
 def _io(values: Any) -> list[dict[str, Any]]:

@@ -57,6 +57,13 @@ class Family:
     static_fp16: bool = False
     # An export patch (``export_causal_lm_onnx.PATCHES``) tried when the plain export fails.
     export_patch: str | None = None
+    # For a family whose experts do not dispatch: the file-name tag of its own experts form and
+    # what the record says of it (Llama4: dense bmm over all experts; JetMoE: ParallelExperts).
+    experts_tag: str = "dense_bmm"
+    experts_note: str = "n/a (the experts class does not dispatch: dense bmm over all experts)"
+    # Decoder layers whose attention is itself a mixture of experts (JetMoE's MoA): each has a
+    # TopK of its own that no fused op takes; the record lists them as refused.
+    attention_experts: bool = False
 
 
 def _moe(k: int, normalize: bool, **extra: Any) -> dict[str, Any]:

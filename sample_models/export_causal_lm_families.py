@@ -301,6 +301,40 @@ FAMILIES: list[Family] = [
         # export, so its float16 export is static.
         static_fp16=True,
     ),
+    Family(
+        name="jetmoe",
+        config_class="JetMoeConfig",
+        model_class="JetMoeForCausalLM",
+        config={
+            "intermediate_size": EXPERT_INTERMEDIATE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "kv_channels": 32,  # head_dim; attention heads = num_key_value_heads * top-k
+        },
+        moe_blocks=("JetMoeMoE",),
+        router={
+            "form": "topk_softmax",
+            "code": "JetMoeTopKGating: "
+            + _TOPK_SOFTMAX.format(bias=" (no bias)")
+            + "; tokens sorted by expert (sort of the flat top-k ids, batch_index = order // k), "
+            "expert_size = per-expert counts (.tolist()); JetMoeParallelExperts: inputs split by "
+            "expert_size, F.linear per expert ([E, out, in] weights), concatenated; input_linear "
+            "[E, 2I, H] chunked (first half gate): silu(gate) * up; output_linear [E, H, I]; "
+            "rows times their gates, index_add into the tokens; plus a [H] bias after the sum",
+            "renormalised": True,
+            "shared_expert": None,
+            "note": "attention is JetMoeMoA, a mixture of attention experts routed by its own "
+            "JetMoeTopKGating (per-slot query and output projections): not an MLP MoE layer, so "
+            "no fused op; the [H] bias after the MoE sum stays outside the fused node (the "
+            "weights sum to 1)",
+        },
+        expected_layer=lambda c: _moe(c.num_experts_per_tok, True),
+        dispatches_experts=False,
+        experts_tag="parallel_experts",
+        experts_note="n/a (JetMoeParallelExperts does not dispatch: split by expert_size, "
+        "F.linear per expert, concatenated)",
+        attention_experts=True,
+    ),
     *ROUTER_FAMILIES,
 ]
 

@@ -54,7 +54,7 @@ class Variant:
     @property
     def name(self) -> str:
         """``<family>_<impl>_<dynamic|static>_op<opset>[_fp16|_bf16]``."""
-        impl = self.impl if self.family.dispatches_experts else "dense_bmm"
+        impl = self.impl if self.family.dispatches_experts else self.family.experts_tag
         shape = "dynamic" if self.dynamic else "static"
         return f"{self.family.name}_{impl}_{shape}_op{self.opset}{DTYPE_TAIL[self.dtype]}"
 

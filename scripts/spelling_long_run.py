@@ -45,6 +45,7 @@ SWEEP_AXES = {
     "zero_point": S.ZERO_POINTS,
     "rank": S.RANKS,
     "shapes": S.SHAPES,
+    "bias": S.BIASES,
 }
 
 
@@ -57,6 +58,14 @@ def _with(base: S.LayerCase, axis: str, value: object) -> S.LayerCase:
     if axis == "routing":
         return S.with_routing(base, str(value))
     changes: dict[str, object] = {axis: value}
+    if axis == "experts" and value == "top1_squeezed":  # one slot, its Mul combine
+        changes.update(top_k=1, combine="mul_reducesum")
+        if base.routing == "grouped_topk":
+            changes.update(routing="softmax_topk_div", groups=1, topk_group=1)
+    if axis == "combine" and value in ("scatter_elements", "scatter_nd"):
+        changes["experts"] = "rows_gathernd"  # the scatters sum flat rows
+    if axis == "bias" and value != "none" and base.experts not in S.BIAS_EXPERTS:
+        changes["experts"] = "gather_expand"
     if axis == "rank" and value != base.rank:
         changes["token_dims"] = (5,) if value == 2 else (2, 3)
     return dataclasses.replace(base, **changes)

@@ -13,6 +13,12 @@ Each entry of :data:`HANDWRITTEN` builds one :class:`~.handwritten_graph.Handwri
 :class:`~.handwritten_graph.Refused` (the router part a near miss names and a keyword of its
 reason). See ``docs/samples-handwritten.md`` for the list and what today's fuser does with each.
 
+:data:`MEANING` (:mod:`.handwritten_meaning`) is the second set: one layer for every spelling
+issue 18 names (activations and softmaxes by hand, row layouts, scatter combines, bias ranks,
+k = 1, int8 with FC3, the plain Qwen3 int4 decomposition, GroupedMatMul + Swish), with a trap
+beside each family. It is kept apart from :data:`HANDWRITTEN` because most of it does not fuse
+yet; ``tests/pipeline/test_meaning_layers.py`` runs it.
+
 .. code-block:: python
 
     from onnx_moe_fuse.samples.handwritten import HANDWRITTEN, qwen3_int4, QWEN3_30B_A3B
@@ -35,6 +41,7 @@ from onnx_moe_fuse.samples.handwritten_dense import (
     qwen3_int4,
 )
 from onnx_moe_fuse.samples.handwritten_graph import Fused, HandwrittenLayer, Refused
+from onnx_moe_fuse.samples.handwritten_meaning import MEANING
 from onnx_moe_fuse.samples.handwritten_quant import dq_asymmetric
 from onnx_moe_fuse.samples.handwritten_router_traps import (
     capacity_drop,
@@ -66,6 +73,7 @@ from onnx_moe_fuse.samples.handwritten_sparse import (
 
 __all__ = [
     "HANDWRITTEN",
+    "MEANING",
     "Fused",
     "Refused",
     "HandwrittenLayer",
@@ -119,10 +127,10 @@ HANDWRITTEN: dict[str, Callable[[], HandwrittenLayer]] = {
 
 
 def handwritten_layer(name: str) -> HandwrittenLayer:
-    """Build the hand-written layer ``name`` (a key of :data:`HANDWRITTEN`)."""
-    try:
-        return HANDWRITTEN[name]()
-    except KeyError:
+    """Build the hand-written layer ``name`` (a key of :data:`HANDWRITTEN` or :data:`MEANING`)."""
+    build = HANDWRITTEN.get(name) or MEANING.get(name)
+    if build is None:
         raise KeyError(
-            f"no hand-written layer {name!r}; choose among {list(HANDWRITTEN)}"
-        ) from None
+            f"no hand-written layer {name!r}; choose among {list(HANDWRITTEN) + list(MEANING)}"
+        )
+    return build()

@@ -148,7 +148,11 @@ class Graph:
         return list(outputs)
 
     def model(self, opset: int) -> onnx.ModelProto:
-        """The checked model, default-domain ``opset``, IR version 10."""
+        """The checked model, default-domain ``opset``, IR version 10.
+
+        An opset newer than the installed onnx knows (29, GroupedMatMul: onnx-weekly only) is
+        not checked here, since this onnx's checker rejects it; its tests run it in onnx-weekly.
+        """
         graph = helper.make_graph(
             self.nodes, self.name, self.inputs, self.outputs, initializer=self.initializers
         )
@@ -158,7 +162,8 @@ class Graph:
             ir_version=IR_VERSION,
             producer_name="handwritten",
         )
-        onnx.checker.check_model(model, full_check=True)
+        if opset <= onnx.defs.onnx_opset_version():
+            onnx.checker.check_model(model, full_check=True)
         return model
 
 

@@ -1,8 +1,9 @@
 """Whole 2-layer ``*ForCausalLM`` torch.onnx exports: every MoE layer fuses or is refused as recorded.
 
 The exports (``sample_models/exported/causal_lm/``, written by
-``sample_models/export_causal_lm.py``) cover nineteen families (DeepSeek-V2 twice: greedy and
-group-limited top-k), both transformers experts
+``sample_models/export_causal_lm.py``) cover twenty families (DeepSeek-V2 twice: greedy and
+group-limited top-k; JetMoE's ParallelExperts, unfused today: ``KNOWN_UNFUSED``), both
+transformers experts
 implementations (``batched_mm``, ``grouped_mm``), dynamic and static shapes, opsets 18 and 23,
 float32 and float16 (and bfloat16 for four families at opset 18). Each record says what a correct fuser must do with each layer (``expected``
 and ``expected_layers``), written from the family's modeling code, not from what the fuser does.
@@ -32,6 +33,32 @@ RECORDS = {m["name"]: json.loads((CAUSAL / f"{m['name']}.json").read_text()) for
 RTOL = {"float32": 1e-4, "float16": 2e-2}
 #: words a near miss must hold for each kind of recorded refusal
 REFUSAL_WORDS = {"router": ("router not fus",), "target": ("ort-cpu has no", "kernel")}
+#: Families whose records expect fused layers that today's fuser leaves alone, with today's
+#: near miss: their ``test_export_fuses_as_recorded`` is a strict xfail that excuses only "not
+#: yet" (nothing fused, the model byte-identical); remove the entry when the family fuses.
+KNOWN_UNFUSED = {
+    "jetmoe": "not recognised: the expert ids of this TopK are sorted (a TopK over the flattened "
+    "ids, i.e. an argsort) so that each expert's rows are computed as a group of their own, the "
+    "sorted per-expert form of grouped_mm exports; no rule takes that spelling, so the layer is "
+    "left as it is; the sorted-experts pass: expected one gather of the token rows by "
+    "'getitem_7' // 2, found 0",
+}
+
+
+class NotYet(Exception):
+    """A record's layers are left unfused, as :data:`KNOWN_UNFUSED` says they are today."""
+
+
+def _fuse_params() -> list[object]:
+    params = []
+    for name in sorted(RECORDS):
+        family = RECORDS[name]["family"]
+        marks = []
+        if family in KNOWN_UNFUSED and RECORDS[name]["expected"]:
+            reason = f"not yet: {KNOWN_UNFUSED[family]}"
+            marks.append(pytest.mark.xfail(strict=True, raises=NotYet, reason=reason))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
 
 
 def _refusals(record: dict) -> collections.Counter[str]:
@@ -42,11 +69,14 @@ def _refusals(record: dict) -> collections.Counter[str]:
     )
 
 
-@pytest.mark.parametrize("name", sorted(RECORDS))
+@pytest.mark.parametrize("name", _fuse_params())
 def test_export_fuses_as_recorded(name: str) -> None:
     record = RECORDS[name]
     original = onnx.load(CAUSAL / record["file"])
     result = fuse(original)
+    if record["family"] in KNOWN_UNFUSED and not result.report.fusions:
+        assert result.model.SerializeToString() == original.SerializeToString()
+        raise NotYet(f"nothing fused: {[m['reason'] for m in result.report.near_misses]}")
     emitted = collections.Counter(f["op"] for f in result.report.fusions)
     assert sorted(emitted.items()) == sorted((op, n) for op, n in record["expected"]), (
         result.report.near_misses
@@ -56,11 +86,15 @@ def test_export_fuses_as_recorded(name: str) -> None:
         words = REFUSAL_WORDS[kind]
         misses = [m for m in result.report.near_misses if all(w in m["reason"] for w in words)]
         assert len(misses) >= count, (kind, result.report.near_misses)
-    # and nothing vaguer beside them: every MoE near miss names the router or the dtype
+    # and nothing vaguer beside them: every MoE near miss names the router or the dtype, but
+    # for one per mixture-of-attention-experts layer (JetMoE's MoA: no fused op computes it)
+    others = []
     for miss in result.report.near_misses:
         if miss["part"] == "attention prelude":
             continue
-        assert any(all(w in miss["reason"] for w in REFUSAL_WORDS[k]) for k in refusals), miss
+        if not any(all(w in miss["reason"] for w in REFUSAL_WORDS[k]) for k in refusals):
+            others.append(miss)
+    assert len(others) <= len(record.get("expected_attention_experts", [])), others
     if not record["expected"]:
         assert result.model.SerializeToString() == original.SerializeToString()
 

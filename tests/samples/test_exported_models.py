@@ -246,7 +246,12 @@ ROUTER_FORMS = {
     "deepseek_v2": "softmax_group_topk",
     "deepseek_v2_greedy": "softmax_topk_scaled",
     "llama4": "sigmoid_topk_dense",
+    "jetmoe": "topk_softmax",
 }
+#: Families whose float16 export cannot run in ORT CPU (recorded as a failed export):
+#: JetMoE's index_add exports to ScatterND(reduction="add"), which ORT 1.32 CPU has no float16
+#: kernel for.
+FLOAT16_FAILS_IN_ORT = {"jetmoe": "MLFloat16 data type is not supported with ScatterND"}
 NORMALISED_ROUTERS = {"softmax_topk", "topk_softmax"}
 #: routers whose top-1 score scales the expert input (Llama4): fused at k = 1
 INPUT_SCALED_ROUTERS = {"sigmoid_topk_dense"}
@@ -334,6 +339,13 @@ def test_causal_covers_the_families() -> None:
             if CAUSAL_RECORDS[n]["family"] == family
         }
         want = {"float32", "float16"} | ({"bfloat16"} if family in HALF_OPSET18 else set())
+        if family in FLOAT16_FAILS_IN_ORT:  # recorded as failed, with ORT's reason
+            failed = [
+                f for f in CAUSAL_INDEX["failed_exports"]
+                if f["family"] == family and f["dtype"] == "float16"
+            ]  # fmt: skip
+            assert failed and all(FLOAT16_FAILS_IN_ORT[family] in f["error"] for f in failed)
+            want = want - {"float16"}
         assert dtypes == want, family
     for family in HALF_OPSET18:
         half = CAUSAL_RECORDS[f"{family}_batched_mm_dynamic_op18_fp16"]

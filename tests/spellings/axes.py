@@ -60,7 +60,16 @@ EXPERTS = (
     "rows_gathernd",  # torch batched_mm export: T*k rows, GatherND by flat ids, batched MatMul
     "dense_onehot",  # every expert on every token, combine masked by OneHot
     "dense_equal",  # every expert on every token, combine masked by Equal/Cast
+    # the T*k rows of rows_gathernd repeated other ways (issue 18's row layouts):
+    "rows_tile",  # Tile(x, [1, k]) then Reshape [-1, H]
+    "rows_range",  # Gather(x, Range(T*k) // k)
+    "rows_concat",  # Concat of k copies of x (axis 1) then Reshape [-1, H]
+    "top1_squeezed",  # k = 1 with the slot axis squeezed away: ids [T], weights Gather-ed [T, K, N]
 )
+#: The flattened-rows layouts (T*k rows, GatherND of the weights by the flat ids).
+ROW_EXPERTS = frozenset({"rows_gathernd", "rows_tile", "rows_range", "rows_concat"})
+#: The per-slot layouts a bias of any rank is written for (``BIASES``).
+BIAS_EXPERTS = frozenset({"gather_expand", "gather_reshape", "transpose_weights"})
 ACTIVATIONS = (
     "swiglu_separate",  # gate and up from separate experts
     "swiglu_split",  # one FC1, Split into halves
@@ -72,7 +81,13 @@ ACTIVATIONS = (
     "relu",
     "gelu_tanh",  # Gelu(approximate="tanh")
     "swiglu_oss",  # gpt-oss: strided, clamp 7, alpha 1.702, +1 on the linear side
+    # written out by hand in elementary ops (issue 18):
+    "silu_exp",  # h / (1 + Exp(-h))
+    "swiglu_exp",  # one FC1 Split into halves, gate / (1 + Exp(-gate)) * up
+    "gelu_tanh_hand",  # 0.5 h (1 + Tanh(sqrt(2/pi) (h + 0.044715 Pow(h, 3))))
 )
+#: The activations written out by hand with Exp (the ``silu_off`` mutation's bases).
+EXP_SILU = frozenset({"silu_exp", "swiglu_exp"})
 COMBINES = (
     "mul_reducesum",
     "matmul_row",
@@ -80,15 +95,25 @@ COMBINES = (
     # [B, S] tokens flattened for the experts, the mix split back: over [E, B, S, H] (dense,
     # optimum's dense gpt-oss) or [B, S, k, H] (per slot)
     "split_rows",
+    # the weighted rows summed into their tokens (index_add_ exports), rows layouts only:
+    "scatter_elements",  # ScatterElements(zeros, token_of_row, rows, axis 0, reduction add)
+    "scatter_nd",  # ScatterND(zeros, token_of_row[:, None], rows, reduction add)
 )
+SCATTERS = frozenset({"scatter_elements", "scatter_nd"})
 #: Combines that only some layouts write: combine -> (the experts, the ranks) it needs.
 COMBINE_NEEDS = {
     "split_rows": (
         frozenset({"dense_onehot", "dense_equal", "gather_expand", "gather_reshape",
                    "transpose_weights", "einsum"}),
         frozenset({3}),
-    )
+    ),
+    "scatter_elements": (ROW_EXPERTS, frozenset({2, 3})),
+    "scatter_nd": (ROW_EXPERTS, frozenset({2, 3})),
 }  # fmt: skip
+#: Per-expert FC1/FC2 biases (issue 18's bias ranks): none, ``[E, N]`` gathered by the ids
+#: then Unsqueeze-d to ``[*, k, 1, N]``, stored ``[E, 1, N]`` (gathered to ``[*, k, 1, N]``),
+#: or ``[E, N]`` gathered and added after the unit axis is dropped (``[*, k, N]``).
+BIASES = ("none", "en_unsqueeze", "e1n", "after_reshape")
 WEIGHT_DTYPES = ("float32", "int4", "uint4", "int8", "uint8")
 GRANULARITIES = ("channel", "block32")  # scales per output channel, or per block of 32 along K
 # explicit: 0 signed, 8 uint4, 128 uint8 (the symmetric point); asymmetric: one below it in a
@@ -114,6 +139,10 @@ MUTATIONS = (
     "weights_other_token",  # taken from the next token's row (rolled along the token axis)
     "negative_weight",  # can be negative (raw logits, or the weights minus 0.5)
     "capacity_drop",  # zeroed past an expert capacity of 1 token (Switch/GShard dropping)
+    "silu_off",  # the hand-written SiLU off by a constant: h / (1 + Exp(-1.01 h))
+    "scatter_other_token",  # the scatter combine adds each row into the next token
+    "rows_other_token",  # the rows gathered by Range(T*k) % T: slot j of token t reads another
+    "bias_other_ids",  # the biases gathered by (ids + 1) mod E, not by each slot's expert
 )
 
 # The part each mutation breaks; the fuser's near miss must name it (outcomes.PART_WORDS).
@@ -131,12 +160,23 @@ MUTATION_PART = {
     "weights_other_token": "routing",
     "negative_weight": "routing",
     "capacity_drop": "routing",
+    "silu_off": "activation",
+    "scatter_other_token": "combine",
+    "rows_other_token": "tokens",
+    "bias_other_ids": "experts",
 }
 
 #: Mutations that tell their layer from its base only with two or more tokens (on a token axis
 #: they read across: reversed, rolled, softmaxed or counted over tokens).
 NEEDS_TWO_TOKENS = frozenset(
-    {"router_token_slice", "softmax_axis", "weights_other_token", "capacity_drop"}
+    {
+        "router_token_slice",
+        "softmax_axis",
+        "weights_other_token",
+        "capacity_drop",
+        "scatter_other_token",
+        "rows_other_token",
+    }
 )
 
 
@@ -146,7 +186,7 @@ def needs_two_slots(mutation: str | None, routing: str) -> bool:
     Reversing the k slots of one is no change, and neither is taking another token's weight
     where the routing renormalises the k weights (one renormalised weight is 1, or the factor).
     """
-    if mutation == "weights_other_experts":
+    if mutation in ("weights_other_experts", "rows_other_token"):  # k = 1: row r is token r
         return True
     return mutation == "weights_other_token" and routing not in UNNORMALISED_ROUTINGS
 
@@ -163,4 +203,8 @@ MUTATION_NEEDS: dict[str, dict[str, frozenset]] = {
     "erf_gelu": {"activation": frozenset({"gelu_tanh"}), "weight_dtype": frozenset({"float32"})},
     "dropped_clamp": {"activation": frozenset({"swiglu_oss"})},
     "weights_other_experts": {"routing": frozenset(ROUTINGS) - {"argmax_top1"}},
+    "silu_off": {"activation": EXP_SILU},
+    "scatter_other_token": {"combine": SCATTERS},
+    "rows_other_token": {"experts": ROW_EXPERTS},
+    "bias_other_ids": {"bias": frozenset(BIASES) - {"none"}},
 }

@@ -203,6 +203,10 @@ class _Layer:
             return self.swiglu(gate, up)
         assert isinstance(fc1, str)
         h = fc1
+        if act in ("silu_exp", "swiglu_exp", "gelu_tanh_hand"):  # written out by hand
+            from . import build_meaning
+
+            return build_meaning.activation(self, h)
         if act == "swiglu_split":
             gate, up = g.node("Split", [h, g.i64(i, i)], "fc1_half", outputs=2, axis=-1)
             return self.swiglu(gate, up)
@@ -264,7 +268,7 @@ class _Layer:
         if c.activation not in SWIGLU:
             return [("fc1", self.normal((e, h, i), std))]
         gate, up = self.normal((e, h, i), std), self.normal((e, h, i), std)
-        if c.activation in ("swiglu_split", "swiglu_slice"):
+        if c.activation in ("swiglu_split", "swiglu_slice", "swiglu_exp"):
             w = np.concatenate([gate, up], axis=2)
         else:
             w = np.stack([gate, up], axis=3).reshape(e, h, 2 * i)

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import build_meaning
+from .axes import ROW_EXPERTS, SCATTERS
+
 if TYPE_CHECKING:
     from .build import _Layer
 
@@ -29,8 +32,12 @@ def experts_and_combine(layer: _Layer, tokens: str, rank: int, weights: str, idx
         idx2 = g.node("Mod", [shifted, g.i64(c.experts_count)], "fc2_ids")
     if c.experts in PER_SLOT:
         return _per_slot(layer, tokens, rank, weights, idx, idx2, fc1, fc2_logical)
-    if c.experts == "rows_gathernd":
+    if c.experts in ROW_EXPERTS:
         return _rows(layer, tokens, weights, idx, idx2, fc1, fc2_logical)
+    if c.experts == "top1_squeezed":
+        return build_meaning.top1_squeezed(
+            layer, tokens, weights, idx, idx2, fc1, fc2_logical, _fc1_outputs
+        )
     return _dense(layer, tokens, weights, idx, fc1, fc2_logical)
 
 
@@ -61,7 +68,9 @@ def _per_slot(layer: _Layer, tokens, rank, weights, idx, idx2, fc1, fc2_logical)
             return g.node("Einsum", [tokens, sel], f"{tag}_out", equation=f"{ax}h,{ax}khn->{ax}kn")
         lhs = g.node("Unsqueeze", [tokens, g.i64(a, a + 1)], f"{tag}_tokens")  # [*, 1, 1, H]
         lhs = g.node("Expand", [lhs, g.i64(*([1] * a), k, 1, 1)], f"{tag}_lhs")  # [*, k, 1, H]
-        return drop(g.node("MatMul", [lhs, sel], f"{tag}_matmul"), n, tag)
+        mm = g.node("MatMul", [lhs, sel], f"{tag}_matmul")
+        mm = build_meaning.bias_before_drop(layer, mm, idx, n, tag, a)
+        return build_meaning.bias_after_drop(layer, drop(mm, n, tag), idx, n, tag)
 
     act = layer.activation(_fc1_outputs(layer, fc1, project_tokens))
     w2 = layer.weights_kn("fc2_weight", fc2_logical, False)
@@ -70,7 +79,10 @@ def _per_slot(layer: _Layer, tokens, rank, weights, idx, idx2, fc1, fc2_logical)
         y = g.node("Einsum", [act, sel2], "fc2_out", equation=f"{ax}ki,{ax}kih->{ax}kh")
     else:
         lhs = g.node("Unsqueeze", [act, g.i64(a + 1)], "fc2_lhs")  # [*, k, 1, I]
-        y = drop(g.node("MatMul", [lhs, sel2], "fc2_matmul"), c.hidden, "fc2")
+        mm = g.node("MatMul", [lhs, sel2], "fc2_matmul")
+        mm = build_meaning.bias_before_drop(layer, mm, idx2, c.hidden, "fc2", a)
+        y = drop(mm, c.hidden, "fc2")
+        y = build_meaning.bias_after_drop(layer, y, idx2, c.hidden, "fc2")
     return _combine_slots(layer, y, weights, a)
 
 
@@ -126,12 +138,7 @@ def _rows(layer: _Layer, tokens, weights, idx, idx2, fc1, fc2_logical) -> str:
 
     ids = flat_ids(idx, "row_ids")  # [T*k, 1]
     ids2 = ids if idx2 == idx else flat_ids(idx2, "fc2_row_ids")
-    rep = g.node(
-        "Expand",
-        [g.node("Unsqueeze", [tokens, g.i64(1)], "tokens_3d"), g.i64(1, k, 1)],
-        "tokens_rep",
-    )
-    rows = g.node("Reshape", [rep, g.i64(-1, h)], "rows")  # [T*k, H]
+    rows = build_meaning.repeat_rows(layer, tokens)  # [T*k, H], as the experts axis spells it
 
     def project(x: str, w: str, sel_ids: str, tag: str) -> str:
         sel = g.node("GatherND", [w, sel_ids], f"{tag}_selected")  # [T*k, K, N]
@@ -142,6 +149,8 @@ def _rows(layer: _Layer, tokens, weights, idx, idx2, fc1, fc2_logical) -> str:
 
     act = layer.activation(_fc1_outputs(layer, fc1, lambda w, n, tag: project(rows, w, ids, tag)))
     y = project(act, layer.weights_kn("fc2_weight", fc2_logical, False), ids2, "fc2")
+    if c.combine in SCATTERS:
+        return build_meaning.scatter_combine(layer, tokens, y, weights)
     if c.combine == "mul_reducesum":
         w_rows = g.node(
             "Unsqueeze",

@@ -45,6 +45,7 @@ class LayerCase:
     opset_version: int = 21  # 21..23 (blocked DequantizeLinear needs 21)
     groups: int = 1
     topk_group: int = 1
+    bias: str = "none"  # axes.BIASES: per-expert FC1/FC2 biases of a per-slot layout
 
     @property
     def quantized(self) -> bool:
@@ -86,6 +87,8 @@ class LayerCase:
             else f"{self.weight_dtype}-{self.granularity}-zp{self.zero_point}"
         )
         groups = f" G{self.groups}/{self.topk_group}" if self.routing == "grouped_topk" else ""
+        if self.bias != "none":
+            groups += f" bias-{self.bias}"
         base = (
             f"{self.router}/{self.routing}/{self.experts}/{self.activation}/{self.combine}/{w}/"
             f"r{self.rank}-{self.shapes} H{self.hidden} I{self.inter} E{self.experts_count} "
@@ -106,6 +109,7 @@ class LayerCase:
             "zero_point": self.zero_point if self.quantized else None,
             "rank": self.rank,
             "shapes": self.shapes,
+            "bias": self.bias,
             "mutation": self.mutation,
         }
 
@@ -166,7 +170,7 @@ def expected(case: LayerCase) -> Expected:
         "k": case.top_k,
         "activation_type": "swiglu"
         if swiglu
-        else {"relu": "relu", "gelu_tanh": "gelu"}.get(act, "silu"),
+        else {"relu": "relu", "gelu_tanh": "gelu", "gelu_tanh_hand": "gelu"}.get(act, "silu"),
         "normalize_routing_weights": {0, 1} if case.constructed else normalize,
         "use_sparse_mixer": 0,
         "swiglu_fusion": 1 if swiglu else 0,

@@ -33,6 +33,8 @@ PART_WORDS = {
     "experts": r"expert ids|indices|gather|fc2|projection",
     "activation": r"activation|swiglu|gelu|clamp|gate|sigmoid|silu",
     "weights": r"zero point|weights not constant|quantized weights|dequantiz",
+    "combine": r"combine|scatter|sum of the|weighted",
+    "tokens": r"token rows|rows of the tokens|repeat|the tokens",
 }
 
 

@@ -81,11 +81,16 @@ def routing(
 def _activation(case: LayerCase, p: dict[str, np.ndarray], e: int, t: np.ndarray) -> np.ndarray:
     """Expert ``e``'s FC1 and activation on one token ``t`` ``[H]``; returns ``[I]``."""
     act, i = case.activation, case.inter
+
+    def fc(name: str) -> np.ndarray:  # one FC1 projection of token t by expert e, biased
+        out = t @ p[f"{name}_weight"][e]
+        return out + p[f"{name}_bias"][e] if f"{name}_bias" in p else out
+
     if act == "swiglu_separate":
-        gate, up = t @ p["fc1_gate_weight"][e], t @ p["fc1_up_weight"][e]
+        gate, up = fc("fc1_gate"), fc("fc1_up")
         return gate * _sigmoid(gate) * up
-    h = t @ p["fc1_weight"][e]
-    if act in ("swiglu_split", "swiglu_slice"):
+    h = fc("fc1")
+    if act in ("swiglu_split", "swiglu_slice", "swiglu_exp"):
         gate, up = h[:i], h[i:]
         return gate * _sigmoid(gate) * up
     if act == "swiglu_strided":
@@ -94,11 +99,11 @@ def _activation(case: LayerCase, p: dict[str, np.ndarray], e: int, t: np.ndarray
     if act == "swiglu_oss":
         gate, up = np.minimum(h[0::2], 7.0), np.clip(h[1::2], -7.0, 7.0)
         return gate * _sigmoid(1.702 * gate) * (up + 1.0)
-    if act in ("swish", "silu_x_sigmoid", "silu_sigmoid_x"):
+    if act in ("swish", "silu_x_sigmoid", "silu_sigmoid_x", "silu_exp"):
         return h * _sigmoid(h)
     if act == "relu":
         return np.maximum(h, 0.0)
-    assert act == "gelu_tanh", act
+    assert act in ("gelu_tanh", "gelu_tanh_hand"), act
     return 0.5 * h * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (h + 0.044715 * h**3)))
 
 
@@ -113,5 +118,6 @@ def reference(case: LayerCase, params: dict[str, np.ndarray], x: np.ndarray) -> 
     out = np.zeros_like(tokens)
     for row, t in enumerate(tokens):
         for w, e in zip(weights[row], ids[row], strict=True):
-            out[row] += w * (_activation(case, p, int(e), t) @ p["fc2_weight"][e])
+            y = _activation(case, p, int(e), t) @ p["fc2_weight"][e]
+            out[row] += w * (y + p["fc2_bias"][e] if "fc2_bias" in p else y)
     return out.reshape(x.shape)
