@@ -65,29 +65,7 @@ _NOT_PROJECTION = "is not a projection of the per-slot activations by each slot'
 
 #: Today's near miss (part: reason, abridged) of every layer that does not reach its expected
 #: outcome yet; remove an entry when the layer does.
-KNOWN_UNFUSED: dict[str, str] = {
-    "act_silu_by_hand": f"activation: the activation 'act_silu' (Div) {_NOT_TAKEN}",
-    "act_swiglu_by_hand": f"activation: the activation 'glu' (Mul) {_NOT_TAKEN}",
-    "act_gelu_tanh_by_hand": f"activation: the activation 'gelu_tanh' (Mul) {_NOT_TAKEN}",
-    "rows_tile": f"fc2: 'slots_out' (Reshape) {_NOT_PROJECTION}",
-    "rows_gather_range": f"fc2: 'slots_out' (Reshape) {_NOT_PROJECTION}",
-    "rows_concat": f"fc2: 'slots_out' (Reshape) {_NOT_PROJECTION}",
-    "rows_expand": f"fc2: 'slots_out' (Reshape) {_NOT_PROJECTION}",
-    "trap_rows_wrong_token": f"refused, but names fc2 not tokens: 'slots_out' {_NOT_PROJECTION}",
-    "combine_scatter_elements": _NO_RULE,
-    "combine_scatter_nd": _NO_RULE,
-    "trap_scatter_wrong_token": f"refused, but {_NO_RULE}",
-    "bias_en_unsqueeze": f"fc2: 'down_out' (Squeeze) {_NOT_PROJECTION}",
-    "bias_e1n": f"fc2: 'down_out' (Squeeze) {_NOT_PROJECTION}",
-    "bias_after_reshape": "activation: SwiGLU: the linear operand's offset (beta) is not a "
-    "constant scalar",
-    "top1_squeezed": _NO_RULE,
-    "trap_top1_one_minus": f"refused, but {_NO_RULE}",
-    "qwen3_flat_int4": _NO_RULE,
-    "trap_qwen3_weights_slot_major": f"refused, but {_NO_RULE}",
-    "gmm_swish_fc3": f"activation: the activation 'act' (Mul) {_NOT_TAKEN}",
-    "trap_gmm_down_other_slot": f"refused, but names activation not fc2: 'act' {_NOT_TAKEN}",
-}
+KNOWN_UNFUSED: dict[str, str] = {}
 
 #: Each trap and the honest reference of its family (what the trap would be if it were the layer).
 HONEST_TWIN = {
