@@ -392,6 +392,9 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     """``ScatterElements``/``ScatterND`` of weighted outputs into zeros or an accumulator."""
     data, index, updates = ins[:3]
     reduction = attr_str(node, "reduction", "none")
+    unsorted = _unsort(node, data, index, updates, ctx)
+    if unsorted is not None:
+        return unsorted
     if data is None:
         data = _accumulator(ctx, node.inputs[0])
     if data is None or not isinstance(data.term, ExpertSum):
@@ -437,6 +440,39 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if weighted.expert.expert != e:
         raise Departure(f"a {node.op_type} of another expert's outputs at expert {e}'s rows")
     return Meaning(data.axes, ExpertSum((*total.branches, (e, weighted))))
+
+
+def _unsort(
+    node: ir.Node,
+    data: Meaning | None,
+    index: Meaning | None,
+    updates: Meaning | None,
+    ctx: Context,
+) -> Meaning | None:
+    """Sorted rows written back at their flat (token, slot) index into zeros ``[T*k, ..]``.
+
+    The argsort's indices hold every row's index once, so this is the permutation undone: the
+    same values laid out over ``(t, j)`` again.
+    """
+    if data is not None or index is None or updates is None or not updates.axes:
+        return None
+    if [f.var for f in updates.axes[0]] != [SORTED] or not isinstance(index.term, RowIndex):
+        return None
+    flat = {"t": ctx.k, "j": 1} if ctx.k > 1 else {"t": 1}
+    index_axes = index.axes[:-1] if node.op_type == "ScatterND" else index.axes[:1]
+    if dict(index.term.coefs) != flat or [[f.var for f in a] for a in index_axes[:1]] != [[SORTED]]:
+        return None
+    if node.op_type == "ScatterND" and index.axes[-1] != ():
+        return None
+    if node.op_type == "ScatterElements" and attr_int(node, "axis", 0) != 0:
+        return None
+    dims = zeros_dims(node.inputs[0])
+    rows = ctx.tokens * Dim.of(ctx.k)
+    if not is_zeros(node.inputs[0]) or dims is None or not dims or dims[0] != rows:
+        return None
+    t, j = Factor("t", ctx.tokens), Factor("j", Dim.of(ctx.k))
+    lead = normalise(((t, j),))
+    return Meaning((*lead, *updates.axes[1:]), updates.term)
 
 
 def _scatter_rows(node: ir.Node, index: Meaning | None, updates: Meaning) -> list[str]:

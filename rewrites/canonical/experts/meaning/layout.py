@@ -59,10 +59,13 @@ def normalise(axes: Sequence[Axis]) -> tuple[Axis, ...]:
 
 
 def _split(f: Factor, head: Dim) -> tuple[Factor, Factor] | None:
-    """``f`` as (``head``, rest) halves, for static sizes that divide."""
-    if f.size.syms or head.syms or head.coef <= 0 or f.size.coef % head.coef:
+    """``f`` as (``head``, rest) halves, where ``head`` divides the size (symbols included)."""
+    if head.coef <= 0:
         return None
-    return Factor(f"{f.var}.hi", head), Factor(f"{f.var}.lo", Dim.of(f.size.coef // head.coef))
+    rest = f.size.divide(head)
+    if rest is None or rest == Dim.of(1) or head == Dim.of(1):
+        return None
+    return Factor(f"{f.var}.hi", head), Factor(f"{f.var}.lo", rest)
 
 
 def regroup(factors: list[Factor], dims: Sequence[Dim]) -> tuple[Axis, ...]:
