@@ -38,8 +38,13 @@ def stem(layer: str, exporter: str, opset: int, dynamic: bool) -> str:
 
 
 def generic(reason: str) -> str:
-    """The reason with node and value names blanked, so files with the same cause group."""
-    return re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`|/[\w./-]+|\b\w+\(\w[^)]*\)", "<...>", reason)
+    """The reason's cause: names and numbers blanked, cut before the file-specific details.
+
+    Files with the same cause group under one code (the first 110 characters of the blanked
+    text: the part and the first clause of the near miss).
+    """
+    text = re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`", "<name>", reason)
+    return re.sub(r"\d+", "N", text)[:110]
 
 
 def table() -> str:
@@ -78,7 +83,9 @@ def table() -> str:
                f"(files: {len(recs)}, exports that failed: {len(index()['failures'])}).")
     out.append("")
     for key, code in sorted(codes.items(), key=lambda kv: kv[1]):
-        out.append(f"- **R{code}** ({reasons[key]} files), e.g. {examples[key][0]}")
+        layers = sorted({e.split("__")[0] for e in examples[key]})
+        out.append(f"- **R{code}** ({reasons[key]} files; {', '.join(f'`{n}`' for n in layers)}): "
+                   f"e.g. `{examples[key][0].split(': ')[0]}`: {examples[key][0].split(': ', 1)[1]}")
     return "\n".join(out)
 
 

@@ -11,14 +11,14 @@ wrong axis fails on shapes. Only ``sample_models/export_pytorch_corpus.py`` impo
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-H, I, E, K = 8, 12, 4, 2
+H, I, E, K = 8, 12, 4, 2  # noqa: E741 (I: the expert intermediate size, as in the docs)
 #: the names of the modules holding router matrices (``seeded`` scales them up)
 ROUTER_MODULES = ("gate", "router", "classifier", "wg", "layer", "topkroute_linear", "lin")
 

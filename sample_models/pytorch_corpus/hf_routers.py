@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import E, H, I, K, HFSwiGLUMLP, Layer
+from .common import E, H, HFSwiGLUMLP, I, K, Layer
 from .hf_style import HIT, MixtralBlockSparseTop2MLP
 
 

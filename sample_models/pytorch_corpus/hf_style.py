@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import E, H, I, K, HFSwiGLUMLP, Layer
+from .common import E, H, HFSwiGLUMLP, I, K, Layer
 
 HIT = "loops over range(num_experts), not over the `expert_hit` nonzero of upstream"
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import E, H, I, K, Flat, Layer, SwiGLUExpert
+from .common import E, Flat, H, I, K, Layer, SwiGLUExpert
 
 
 class MistralMoeLayer(nn.Module):

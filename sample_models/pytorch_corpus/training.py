@@ -14,6 +14,12 @@ from torch import nn
 
 from .common import E, H, I, K, Layer
 
+TITAN = (
+    "histc reads the indices as float (CPU histc takes no int64)",
+    "argsort without stable=True (neither exporter converts a stable sort; the order of an "
+    "expert's rows does not change the scatter_add sums)",
+)
+
 
 class GroupedExperts(nn.Module):
     """pytorch/torchtitan ``torchtitan/models/deepseek_v3/model/moe.py``, ``GroupedExperts``.
@@ -46,7 +52,7 @@ class TokenChoiceMoE(nn.Module):
     """torchtitan ``MoE`` + ``TokenChoiceTopKRouter`` (``scale_before`` False), or torchtune's.
 
     Softmax (``sigmoid`` True: sigmoid) scores, TopK of ``scores + expert_bias`` (aux-loss-free
-    balancing; the weights are gathered from the unbiased scores), ``histc`` counts, stable
+    balancing; the weights are gathered from the unbiased scores), ``histc`` counts,
     ``argsort`` of the flat indices, ``// k`` token indices, ``gather`` of the rows, the
     grouped experts, scores times the outputs (torchtune ``scale_before_experts``: times the
     inputs), ``scatter_add`` into the shared expert's output.
@@ -72,7 +78,7 @@ class TokenChoiceMoE(nn.Module):
         _, selected = torch.topk(biased, k=self.top_k, dim=1)
         top_scores = scores.gather(dim=1, index=selected)
         counts = torch.histc(selected.view(-1).float(), bins=E, min=0, max=E)
-        sorted_idx = torch.argsort(selected.view(-1), stable=True)
+        sorted_idx = torch.argsort(selected.view(-1))
         top_scores = top_scores.view(-1)[sorted_idx]
         token_indices = sorted_idx // self.top_k
         return top_scores * self.route_scale, token_indices, counts
@@ -99,7 +105,8 @@ class MegablocksDMoE(nn.Module):
     =1``). dMoE (dropless): the flat expert ids sorted (``ops.sort``), ``ops.histogram`` counts,
     ``ops.gather`` of the token rows (``indices // top_k``), the grouped MLP (``gg.ops.gmm`` with
     host ``batch_sizes``: one matmul per expert here) with Megablocks' default tanh GELU,
-    ``ops.scatter``: rows times their weights, summed back per token.
+    ``ops.scatter``: rows times their weights, put back in (token, slot) order and summed over
+    the k slots (the reference ``scatter`` of Megablocks' op tests).
     """
 
     def __init__(self) -> None:
@@ -117,14 +124,15 @@ class MegablocksDMoE(nn.Module):
         expert_weights = expert_weights / torch.norm(expert_weights, p=1, dim=-1, keepdim=True)
         top_experts = expert_indices.flatten()
         bin_ids, indices = torch.sort(top_experts)
-        tokens_per_expert = torch.bincount(top_experts, minlength=E)
+        tokens_per_expert = F.one_hot(top_experts, E).sum(0)
         rows = x[indices // self.top_k]
         outs = []
         for e, chunk in enumerate(torch.split(rows, tokens_per_expert.tolist(), dim=0)):
             outs.append(F.gelu(chunk @ self.w1[e], approximate="tanh") @ self.w2[e])
         y = torch.cat(outs, dim=0) * expert_weights.flatten()[indices].unsqueeze(-1)
-        out = torch.zeros_like(x).index_add(0, indices // self.top_k, y)
-        return out.view(shape)
+        out = torch.zeros_like(rows)
+        out[indices] = y
+        return out.view(-1, self.top_k, H).sum(dim=1).view(shape)
 
 
 def _capacity(tokens: int, experts: int, factor: float, min_capacity: int) -> int:
@@ -209,7 +217,7 @@ class DeepSpeedMOELayer(nn.Module):
         combine_weights, dispatch_mask = top2gating(logits, self.drop_tokens)
         dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(reshaped_input), reshaped_input)
         chunks = dispatched_input.chunk(E, dim=0)
-        expert_output = torch.cat([expert(c) for c, expert in zip(chunks, self.experts)], dim=0)
+        expert_output = torch.cat([expert(c) for c, expert in zip(chunks, self.experts, strict=True)], dim=0)
         combined_output = torch.einsum("sec,ecm->sm", combine_weights.type_as(reshaped_input), expert_output)
         output = combined_output.reshape(hidden_states.shape)
         if self.mlp is None:
@@ -229,7 +237,7 @@ LAYERS = [
         "softmax scores, selection by scores + expert_bias, weights from the unbiased scores x2: "
         "MoE via the selection construction; the shared expert is scatter_add's base, outside",
         K,
-        adaptations=("histc reads the indices as float (CPU histc takes no int64)",),
+        adaptations=TITAN,
     ),
     Layer(
         "torchtune_llama4_top1",
@@ -240,7 +248,7 @@ LAYERS = [
         "top-1, the routed input row scaled by its sigmoid score (SwiGLU maps 0 to 0): MoE on "
         "the scaled tokens, weight 1; shared expert outside",
         1,
-        adaptations=("histc reads the indices as float (CPU histc takes no int64)",),
+        adaptations=TITAN,
     ),
     Layer(
         "torchtune_scale_before_top2",
@@ -251,7 +259,7 @@ LAYERS = [
         "input scaling at top-2: a token enters its two experts at two different scales, "
         "expert(s_j x); one fused node feeds one input row per token",
         K,
-        adaptations=("histc reads the indices as float (CPU histc takes no int64)",),
+        adaptations=TITAN,
     ),
     Layer(
         "megablocks_dmoe",
@@ -262,8 +270,9 @@ LAYERS = [
         "Softmax -> TopK -> divide by the L1 norm, tanh-GELU experts: MoE gelu (ORT's gelu is "
         "the tanh form), k=2, normalize 1",
         K,
-        adaptations=("ops.sort/histogram/gather/scatter and gg.ops.gmm (CUDA) written with torch.sort, "
-                     "bincount, indexing, one matmul per expert and index_add",),
+        adaptations=("ops.sort/histogram/gather/scatter and gg.ops.gmm (CUDA kernels) written with "
+                     "torch.sort, a one-hot sum, indexing, one matmul per expert, and the rows put "
+                     "back in (token, slot) order and summed over k",),
     ),
     Layer(
         "deepspeed_top2_nodrop",
