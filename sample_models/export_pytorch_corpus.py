@@ -17,7 +17,8 @@ PyTorch module in ONNX Runtime CPU (graph optimisations off):
 
 Run with the export venv from outside the repository root (the root shadows ``kernels``):
 ``cd /tmp && /work/main/.venv-export/bin/python /path/to/sample_models/export_pytorch_corpus.py``
-(``--only NAME`` for some layers; the other layers' records are kept).
+(``--only NAME`` for some layers, the other layers' records are kept; ``--out DIR`` writes
+elsewhere, e.g. while a test run reads the committed folder).
 """
 
 from __future__ import annotations
@@ -135,6 +136,20 @@ def input_dims(model: onnx.ModelProto) -> list[int | str]:
     return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims]
 
 
+def row_independence(module: torch.nn.Module) -> float:
+    """How far the module's output for 12 tokens is from its output for each token alone.
+
+    An independent check of the ``expressible`` marks: one fused node computes every token
+    from that token alone, so an expressible layer must give 0 (up to rounding); a capacity
+    limit makes tokens compete for expert slots, and shows here.
+    """
+    x = torch.randn(1, 12, H, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        together = module(x).numpy()
+        alone = np.concatenate([module(x[:, t : t + 1]).numpy() for t in range(12)], axis=1)
+    return rel_err(alone, together)
+
+
 def run_layer(name: str) -> tuple[list[dict], list[dict], dict]:
     layer = LAYERS[name]
     torch.manual_seed(0)
@@ -200,19 +215,27 @@ def run_layer(name: str) -> tuple[list[dict], list[dict], dict]:
             "bytes": len(blob),
             "nodes": len(model.graph.node),
         })
+    row_wise = row_independence(module)
+    if layer.expressible:  # a fused node computes each token from that token alone
+        assert row_wise <= RTOL, f"{name}: marked expressible, but its tokens interact ({row_wise:.3g})"
     info = {
         "layer": name, "upstream": layer.upstream, "follows": layer.follows,
         "expressible": layer.expressible, "why": layer.why, "k": layer.k,
         "experts": layer.experts, "adaptations": list(layer.adaptations),
         "reference": f"{name}.npz", "input_shape": list(REF_SHAPE),
+        "row_wise_max_rel_err": row_wise,
     }
     return files, failures, info
 
 
 def main() -> None:
+    global OUT  # --out redirects every writer of this module
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="layer names (default: all)")
+    parser.add_argument("--out", type=Path, help=f"output folder (default: {OUT})")
     args = parser.parse_args()
+    if args.out:
+        OUT = args.out.resolve()
     OUT.mkdir(parents=True, exist_ok=True)
     index_path = OUT / "index.json"
     old = json.loads(index_path.read_text()) if index_path.exists() and args.only else None
