@@ -452,6 +452,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 if dense is not None:
                     self.report.add_near_miss(dense_near_miss(node, dense, router))
                     continue
+                if part is None and reason.startswith("router not fus"):
+                    part = "routing"  # a router the fused ops cannot express
                 self.report.add_near_miss(
                     NearMiss(
                         rule=None,

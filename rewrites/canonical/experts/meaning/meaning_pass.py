@@ -69,6 +69,12 @@ def analyse_topk(topk: ir.Node, order: dict[int, int]) -> tuple[Interpretation |
     if found.tokens is None:
         why = "a selection whose scores are not a router projection of token rows"
         return found, DepartureAt(topk, why, 0, ())
+    if not found.meanings:  # seeded nothing: the router reads rows of another rank
+        why = (
+            f"a selection over router rows '{found.tokens.name}' that are not [T, H] token rows "
+            "(rank-3 tokens routed without flattening are not read by this analysis yet)"
+        )
+        return found, DepartureAt(topk, why, 0, ())
     if found.output is None:
         furthest = found.furthest()
         if furthest is None:
