@@ -114,7 +114,7 @@ _SELECTED = (
     "the fused node takes any top-k selection whose per-selected non-negative weights multiply "
     "the expert outputs (the router kept as written), but no layer rule matched around this "
     "TopK: its weights do not multiply the outputs of experts chosen by its indices (they scale "
-    "the expert input, or the experts are not recognised)"
+    "the expert input, or the experts are in a form the analysis of meaning does not read)"
 )
 _WHY = {
     "sigmoid_topk": _SELECTED,
