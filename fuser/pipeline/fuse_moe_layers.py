@@ -57,9 +57,17 @@ from onnx_moe_fuse.rewrites.moe.rule_base import (
     TOPK_KEY,
 )
 
-#: Parts a rule fails at when it cannot read the layer's structure (not a fact it proved):
-#: where the analysis of meaning recorded a departure, it says more.
-_STRUCTURE_PARTS = frozenset({None, "tokens", "fc1", "fc2", "combine"})
+#: The parts in the order the layer computes them.
+_LAYER_ORDER = ("tokens", "fc1", "activation", "fc2", "combine")
+
+
+def _departs_before(departs: Refusal, refusal: Refusal) -> bool:
+    """The meaning departs at a part before the one the rule failed at (its failure follows)."""
+    if refusal.part is None:
+        return True
+    if departs.part not in _LAYER_ORDER or refusal.part not in _LAYER_ORDER:
+        return False
+    return _LAYER_ORDER.index(departs.part) < _LAYER_ORDER.index(refusal.part)
 
 
 class LayerObserver(Protocol):
@@ -402,9 +410,9 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             if a.topk is not None:
                 explained.add(id(a.topk))
             departs = _meaning_record(refusals, a.topk) if a.topk is not None else None
-            if departs is not None and a.refusal.part in _STRUCTURE_PARTS:
-                # the rule saw a part it could not read; the analysis of meaning names the
-                # node where the layer stops being the op's (once per TopK)
+            if departs is not None and _departs_before(departs, a.refusal):
+                # the rule failed at a part after the one where the analysis of meaning saw the
+                # layer stop being the op's: that node is named instead (once per TopK)
                 if ("meaning", id(a.topk)) not in seen:
                     seen.add(("meaning", id(a.topk)))  # type: ignore[arg-type]
                     reason = f"{UNRECOGNISED}{a.refusal.part}: {a.refusal.reason}"
