@@ -2,7 +2,7 @@
 
     onnx-moe-fuse IN.onnx -o OUT.onnx [--verify [--seeds 0,1,2]] [--report REPORT.json]
                   [--only QMoE,MoE] [--target ort-cpu|ort-cuda|ort-webgpu] [--explain | --quiet]
-                  [--quantize int4|int8 [--block-size N]] [--accuracy-level N] [--debug]
+                  [--quantize int4|int8 [--block-size N]] [--accuracy-level N] [--jobs N] [--debug]
     onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--seeds 0,1,2] [--explain]
     onnx-moe-fuse --self-check [--seed N] | --list-adapters | --version
 
@@ -236,6 +236,7 @@ def _fuse_streaming(
         progress=progress,
         quantize=quantization,
         accuracy_level=args.accuracy_level,
+        jobs=args.jobs,
     )
     report: dict[str, Any] = {
         "input": str(input_path),

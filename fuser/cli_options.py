@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(ort-cpu); 4 computes with int8 activations (not exact)",
     )
     parser.add_argument(
+        "--jobs",
+        action=_Once,
+        type=int,
+        metavar="N",
+        help="worker processes repacking the fused layers' weights, each one expert at a time "
+        "(default: the CPUs this process may use; 1 repacks in the main process)",
+    )
+    parser.add_argument(
         "--explain",
         action="store_true",
         help="list near misses: layers that looked like MoE and why they did not fuse",
@@ -225,6 +233,7 @@ def check_combination(args: argparse.Namespace) -> None:
         "--quantize": args.quantize,
         "--block-size": args.block_size,
         "--accuracy-level": args.accuracy_level,
+        "--jobs": args.jobs,
         "--seeds": args.seeds,
         "--verify": args.verify,
         "--explain": args.explain,
@@ -238,6 +247,8 @@ def check_combination(args: argparse.Namespace) -> None:
                     raise _no_effect(shown, f"with {command}")
     if args.seed is not None and not args.self_check:
         raise _no_effect("--seed", "without --self-check (--seeds sets verification seeds)")
+    if args.jobs is not None and args.jobs < 1:
+        raise OptionError(f"--jobs must be 1 or more, got {args.jobs}", option="--jobs")
     if args.seeds is not None and not (args.verify or args.demo):
         raise _no_effect("--seeds", "without --verify")
     if args.demo and args.input:

@@ -68,7 +68,7 @@ from onnx_moe_fuse.io.model_io import (
     move_into_place,
 )
 from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line, size_text
-from onnx_moe_fuse.io.weight_sink import ScratchFileSink
+from onnx_moe_fuse.io.weight_sink import ScratchFileSink, default_jobs
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.progress import Progress, fused_text
 from onnx_moe_fuse.rewrites.graph.weight_sink import in_memory
@@ -228,6 +228,7 @@ def fuse_file(
     progress: Progress | None = None,
     quantize: Quantization | None = None,
     accuracy_level: int | None = None,
+    jobs: int | None = None,
 ) -> StreamedFusion:
     """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
 
@@ -243,6 +244,9 @@ def fuse_file(
         quantize: opt-in quantisation of float layers into QMoE (parsed by
             :func:`onnx_moe_fuse.api.check_quantization`); ``accuracy_level``: QMoE's, on every
             QMoE node (see :func:`onnx_moe_fuse.fuse`).
+        jobs: worker processes writing the repacked QMoE weights (default
+            :func:`~onnx_moe_fuse.io.weight_sink.default_jobs`, the usable CPUs; 1: in this
+            process, as each layer is fused).
 
     Raises:
         ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
@@ -273,7 +277,8 @@ def fuse_file(
 
     report = FusionReport()
     with contextlib.ExitStack() as cleanup:
-        sink = cleanup.enter_context(ScratchFileSink(folder)) if external else None
+        workers = default_jobs() if jobs is None else jobs
+        sink = cleanup.enter_context(ScratchFileSink(folder, jobs=workers)) if external else None
         watched = progress.watch_sink(sink, in_memory)
         with progress.stage("fuse"):
             try:
@@ -291,6 +296,8 @@ def fuse_file(
                 if found is None:
                     raise
                 raise found from found.__cause__  # its own cause (the OSError) stays
+            if sink is not None:  # the layers' reserved weights, in worker processes
+                sink.finish()
             progress.detail = fused_text(report)
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
