@@ -16,9 +16,10 @@ holds the model's weights in memory:
    in the output's folder: each fused layer's repacked weights go to the scratch file as they
    are made, and the rules read each layer's source weights transiently
    (:func:`onnx_moe_fuse.rewrites.graph.tensor_reads.read_array`);
-4. ``ir.save`` with external data writes the model into a hidden temporary folder inside the
-   output's folder, copying each tensor from its file (the input's data, the scratch file) into
-   ``<out name>.data`` one at a time; both files are fsynced and moved into place with
+4. the scratch file becomes ``<out name>.data`` in a hidden temporary folder inside the
+   output's folder (:func:`onnx_moe_fuse.io.sink_save.save_into_sink_file`: the model's other
+   large tensors appended to it, copied in the kernel from the input's data), so the fused
+   weights are written once, and the model file beside it; both files are fsynced and moved into place with
    ``os.replace``, the data file first, the model file last; a failure on the way removes the
    temporary folder and rolls a moved data file back (the previous one restored, or the new one
    removed), and the scratch file is removed in every case.
@@ -68,6 +69,7 @@ from onnx_moe_fuse.io.model_io import (
     move_into_place,
 )
 from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line, size_text
+from onnx_moe_fuse.io.sink_save import save_into_sink_file
 from onnx_moe_fuse.io.weight_sink import ScratchFileSink, default_jobs
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.progress import Progress, fused_text
@@ -188,10 +190,13 @@ def _write(
     name: str,
     data_name: str,
     external: bool,
+    sink: ScratchFileSink | None = None,
 ) -> list[str]:
     """Write the model file ``name`` (and ``data_name``) into ``tmp``; return the names."""
     if not report.fusions:  # the passes' analyses annotate shapes: write the input as it was
         _write_unchanged(src, tmp / name, data_name)
+    elif external and sink is not None:  # the fused weights stay where the sink wrote them
+        return save_into_sink_file(model, sink, tmp, name, data_name)
     elif external:
         ir.save(
             model,
@@ -308,7 +313,7 @@ def fuse_file(
         cleanup.callback(shutil.rmtree, tmp, ignore_errors=True)
         try:
             with progress.stage("save"):
-                names = _write(model, report, src, tmp, out.name, data.name, external)
+                names = _write(model, report, src, tmp, out.name, data.name, external, sink)
                 for name in names:
                     os.chmod(tmp / name, new_file_mode())
                     fsync_path(tmp / name)

@@ -185,6 +185,50 @@ class ScratchFileSink:
                         other.cancel()
                     raise self._write_error(failed[1], name, length) from OSError(*failed)
 
+    def append_tensor(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
+        """Append ``tensor``'s bytes (an external one copied in the kernel); ``(offset, length)``.
+
+        For :meth:`become`: the model's other tensors join the fused weights in this file.
+        """
+        if self._fd is None:
+            raise ValueError(f"the scratch weight file {self.path} is closed")
+        offset = -(-self._end // ALIGNMENT) * ALIGNMENT
+        try:
+            if isinstance(tensor, ir.ExternalTensor) and tensor.raw is None:
+                length = int(tensor.length if tensor.length is not None else tensor.nbytes)
+                with open(tensor.path, "rb") as src:
+                    start, at, left = int(tensor.offset or 0), offset, length
+                    while left:
+                        done = os.copy_file_range(src.fileno(), self._fd, left, start, at)
+                        if done <= 0:
+                            raise OSError(errno.EIO, f"{tensor.path} ended early")
+                        start, at, left = start + done, at + done, left - done
+            else:
+                data = tensor.tobytes()
+                length = len(data)
+                _pwrite_all(self._fd, memoryview(data), offset)
+        except OSError as exc:
+            raise self._write_error(
+                exc.strerror or one_line(exc), tensor.name or "", tensor.nbytes
+            ) from exc
+        self._end = offset + length
+        return offset, length
+
+    def become(self, path: Path) -> None:
+        """Move the scratch file to ``path`` (the output's data file in its temporary folder).
+
+        From here on the file is the caller's: :meth:`close` no longer removes it.
+        """
+        if self._pending:
+            raise ValueError("finish() must write the reserved arrays first")
+        if self._fd is not None:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        os.replace(self.path, path)
+        self.path = Path(path)
+        self._kept = True
+
     def close(self) -> None:
         """Close and remove the scratch file (idempotent)."""
         if self._fd is not None:
@@ -192,7 +236,8 @@ class ScratchFileSink:
                 os.close(self._fd)
             self._fd = None
         self._pending = []
-        self.path.unlink(missing_ok=True)
+        if not getattr(self, "_kept", False):
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> ScratchFileSink:
         """The sink itself."""

@@ -56,7 +56,7 @@ def _kn4_lut() -> np.ndarray:
     a, c = idx & 0xFF, idx >> 8
     even = (a & 0xF) | ((c & 0xF) << 4)
     odd = (a >> 4) | (c & 0xF0)
-    return (even | (odd << 8)).astype(np.uint16)
+    return (even | (odd << 8)).astype("<u2")
 
 
 _KN4_LUT = _kn4_lut()
@@ -143,9 +143,9 @@ def _output_major(
         w = b.reshape(n, k // 2)
         return np.bitwise_xor(w, 0x88) if signed else w.copy()
     if n % 2 == 0:
-        pairs = b.reshape(k // 2, 2, n // 2)
-        idx = pairs[:, 0, :].astype(np.uint16) | (pairs[:, 1, :].astype(np.uint16) << 8)
-        out = _KN4_LUT[idx].view(np.uint8)  # [K / 2, N]
+        # rows 2i and 2i+1 side by side: each little-endian pair of bytes is one LUT index
+        idx = np.ascontiguousarray(b.reshape(k // 2, 2, n // 2).transpose(0, 2, 1)).view("<u2")
+        out = _KN4_LUT[idx[..., 0]].view(np.uint8)  # [K / 2, N]
         if signed:
             out ^= 0x88
         return np.ascontiguousarray(out.T)

@@ -208,14 +208,20 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
     sym = 0 if signed else 1 << (bits - 1)
     # no zero point means 0: symmetric for signed codes, the lowest code for unsigned ones
     stored = tuple(int(d) for d in s_t.shape)  # zero points have the scales' stored shape
-    zp = np.zeros(stored, np.int64) if z is None else np.asarray(z)
-    zero_points = _zero_points(role, dq, zp, stored, layout, ax, (e, blocks, n))
-    # into the unsigned code space of ExpertWeights.codes (a signed zp z becomes z + 2**(b-1))
-    zero_points = zero_points - sym + (1 << (bits - 1))
-    if np.all(zero_points == 1 << (bits - 1)):
-        zero_points = None  # symmetric: the node needs no zero-point input
+    if z is None and signed:
+        zero_points = None  # no zero point is 0, the symmetric point of signed codes
     else:
-        zero_points = np.ascontiguousarray(zero_points.astype(np.uint8))
+        # no zero point means 0: the lowest code for unsigned ones
+        zp = np.zeros((), np.int64) if z is None else np.asarray(z)
+        if z is None:
+            zp = np.broadcast_to(zp, stored)
+        zero_points = _zero_points(role, dq, zp, stored, layout, ax, (e, blocks, n))
+        # into the unsigned code space of ExpertWeights.codes (a signed zp z becomes z + 2**(b-1))
+        zero_points = zero_points - sym + (1 << (bits - 1))
+        if np.all(zero_points == 1 << (bits - 1)):
+            zero_points = None  # symmetric: the node needs no zero-point input
+        else:
+            zero_points = np.ascontiguousarray(zero_points.astype(np.uint8))
     return ExpertWeights(
         role,
         w,
