@@ -44,7 +44,12 @@ from onnx_moe_fuse.cli_options import (
     parse_only,
     parse_seeds,
 )
-from onnx_moe_fuse.cli_summary import print_fusions, print_near_misses, write_json_atomic
+from onnx_moe_fuse.cli_summary import (
+    print_fusions,
+    print_layers,
+    print_near_misses,
+    write_json_atomic,
+)
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
 from onnx_moe_fuse.io.output_paths import one_line
@@ -141,8 +146,13 @@ def _fuse_command(args: argparse.Namespace) -> int:
             raise OptionError("give the output path with -o OUT.onnx", option="-o")
         input_path = Path(args.input)
     _check_paths(args, input_path)
-    if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
-        return _fuse_streaming(args, input_path, only, target, progress, quantization)
+    if not args.demo and (not args.verify or _per_layer(args, input_path)):
+        # weights stay on disk: docs/architecture.md, "Memory"; --verify then goes layer by layer
+        if args.verify:
+            adapter = _needs_adapter()
+            if isinstance(adapter, int):
+                return adapter
+        return _fuse_streaming(args, input_path, only, target, progress, quantization, seeds)
     if args.demo:
         from onnx_moe_fuse.samples import default_sample
 
@@ -224,20 +234,37 @@ def _fuse_streaming(
     target: Target,
     progress: Progress,
     quantization: Quantization | None = None,
+    seeds: list[int] | None = None,
 ) -> int:
-    """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
+    """Fuse a model file streaming (:func:`onnx_moe_fuse.streaming_io.fuse_file`).
+
+    With ``--verify`` each fused layer is verified against its original region before the
+    output is moved into place (:func:`onnx_moe_fuse.verify.layers.verify_layers`); a failure
+    exits 1 and leaves no model.
+    """
     from onnx_moe_fuse.streaming_io import fuse_file
 
-    result = fuse_file(
-        input_path,
-        args.output,
-        only=only,
-        target=target,
-        progress=progress,
-        quantize=quantization,
-        accuracy_level=args.accuracy_level,
-        jobs=args.jobs,
-    )
+    verification: dict[str, Any] = {}
+    check = _layer_check(args, input_path, seeds or [0], progress, verification)
+    try:
+        result = fuse_file(
+            input_path,
+            args.output,
+            only=only,
+            target=target,
+            progress=progress,
+            quantize=quantization,
+            accuracy_level=args.accuracy_level,
+            jobs=args.jobs,
+            check=check,
+        )
+    except _LayersFailed as failed:
+        print_layers(verification)
+        if args.report:
+            failed.report["verification"] = verification
+            failed.report["run"] = progress.run_section(_adapter_name())
+            write_json_atomic(args.report, failed.report)
+        return _error("verification FAILED: no model written", EXIT_FAILED)
     report: dict[str, Any] = {
         "input": str(input_path),
         "output": args.output,
@@ -247,12 +274,89 @@ def _fuse_streaming(
     print_fusions(report, target, args.explain)
     if args.explain:
         print_near_misses(report)
+    if args.verify:
+        report["verification"] = verification or {
+            "passed": True,
+            "note": "nothing fused: the output equals the input",
+        }
+        report["run"] = progress.run_section(_adapter_name())
+        print_layers(verification)
     print("wrote " + ", ".join(str(p) for p in result.written))
     _warn_stale_data(args.output, result.written)
     if args.report:
         write_json_atomic(args.report, report)
         print(f"wrote {args.report}")
     return EXIT_OK
+
+
+#: Weights (external data bytes) above which ``--verify`` goes layer by layer by default.
+PER_LAYER_BYTES = 256 << 20
+
+
+def _per_layer(args: argparse.Namespace, input_path: Path) -> bool:
+    """``--verify`` layer by layer: asked for, or a model with over 256 MiB of external data."""
+    if args.per_layer:
+        return True
+    from onnx_moe_fuse.io.model_check import all_tensors, is_external
+
+    try:
+        import onnx
+
+        proto = onnx.load(str(input_path), load_external_data=False)
+    except Exception:  # the streaming path's own checks name what is wrong with it
+        return False
+    total = 0
+    for t in all_tensors(proto):
+        if is_external(t):
+            info = {e.key: e.value for e in t.external_data}
+            total += int(info.get("length") or 0)
+    return total > PER_LAYER_BYTES
+
+
+class _LayersFailed(Exception):
+    """Per-layer verification failed: the output is not moved into place."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__("verification failed")
+        self.report = report
+
+
+def _adapter_name() -> str | None:
+    try:
+        from onnx_moe_fuse.kernels import default_device
+
+        return default_device().description
+    except Exception:
+        return None
+
+
+def _layer_check(args, input_path, seeds, progress, verification):
+    """The streaming path's check: per-layer verification of the written output (or None)."""
+    if not args.verify:
+        return None
+    from onnx_moe_fuse.verify.layers import verify_layers
+    from onnx_moe_fuse.verify.quant_error import verify_tolerance
+
+    def check(fused_path: Path, report: Any) -> None:
+        def shown(i: int, n: int, record: dict[str, Any]) -> None:
+            progress.detail = f"layer {i}/{n}"
+
+        verification.update(
+            verify_layers(
+                input_path,
+                fused_path,
+                report.fusions,
+                seeds=seeds,
+                quantization=verify_tolerance(report.fusions),
+                progress=shown,
+            )
+        )
+        progress.detail = "passed" if verification["passed"] else "FAILED"
+        if not verification["passed"]:
+            raise _LayersFailed({"input": str(input_path), "output": args.output,
+                                 **report.to_dict()})  # fmt: skip
+
+    return check
 
 
 def _self_check(args: argparse.Namespace) -> int:

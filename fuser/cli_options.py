@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "exits 1 and writes no model",
     )
     parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="with --verify: compare each fused layer with the region it replaced, one layer "
+        "in memory at a time (the default for models with more than 256 MiB of external "
+        "weights; smaller ones are verified whole)",
+    )
+    parser.add_argument(
         "--report", action=_Once, help="write a JSON report: fusions, near misses, verification"
     )
     parser.add_argument(
@@ -234,6 +241,7 @@ def check_combination(args: argparse.Namespace) -> None:
         "--block-size": args.block_size,
         "--accuracy-level": args.accuracy_level,
         "--jobs": args.jobs,
+        "--per-layer": args.per_layer,
         "--seeds": args.seeds,
         "--verify": args.verify,
         "--explain": args.explain,
@@ -249,6 +257,8 @@ def check_combination(args: argparse.Namespace) -> None:
         raise _no_effect("--seed", "without --self-check (--seeds sets verification seeds)")
     if args.jobs is not None and args.jobs < 1:
         raise OptionError(f"--jobs must be 1 or more, got {args.jobs}", option="--jobs")
+    if args.per_layer and not args.verify:
+        raise _no_effect("--per-layer", "without --verify")
     if args.seeds is not None and not (args.verify or args.demo):
         raise _no_effect("--seeds", "without --verify")
     if args.demo and args.input:

@@ -42,7 +42,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +234,7 @@ def fuse_file(
     quantize: Quantization | None = None,
     accuracy_level: int | None = None,
     jobs: int | None = None,
+    check: Callable[[Path, FusionReport], None] | None = None,
 ) -> StreamedFusion:
     """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
 
@@ -252,6 +253,11 @@ def fuse_file(
         jobs: worker processes writing the repacked QMoE weights (default
             :func:`~onnx_moe_fuse.io.weight_sink.default_jobs`, the usable CPUs; 1: in this
             process, as each layer is fused).
+        check: called with the written model file (in its temporary folder, its data beside
+            it) and the report once the output is written and before it is moved into place;
+            an exception there leaves nothing behind, as any failure does (per-layer
+            verification, :func:`onnx_moe_fuse.verify.layers.verify_layers`, runs there). Not
+            called when nothing fused.
 
     Raises:
         ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
@@ -318,7 +324,10 @@ def fuse_file(
                     os.chmod(tmp / name, new_file_mode())
                     fsync_path(tmp / name)
                 _test_pause()
-                move_into_place(tmp, folder, names, out.name)
+            if check is not None and report.fusions:
+                with progress.stage("verify"):
+                    check(tmp / out.name, report)
+            move_into_place(tmp, folder, names, out.name)
         except OSError as exc:
             if isinstance(exc, MoEFuseError):
                 raise
