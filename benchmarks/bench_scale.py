@@ -44,10 +44,14 @@ _IR = "import sys, onnx_ir as ir\nir.save(ir.load(sys.argv[1]), sys.argv[2], ext
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _tree_rss(root: int) -> int:
-    """Bytes resident in ``root`` and every descendant process now."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree(root: int) -> tuple[int, dict[int, float]]:
+    """Bytes resident in ``root`` and its descendants now, and each one's CPU seconds so far."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
+    cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -58,27 +62,40 @@ def _tree_rss(root: int) -> int:
                 rss[int(entry)] = int(f.read().split()[1]) * _PAGE
         except (OSError, IndexError, ValueError):
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [root]
+        fields = stat.rsplit(")", 1)[1].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    total, todo, seen = 0, [root], {}
     while todo:
         pid = todo.pop()
         total += rss.get(pid, 0)
+        seen[pid] = cpu.get(pid, 0.0)
         todo.extend(children.get(pid, []))
-    return total
+    return total, seen
 
 
-def measure(argv: list[str], log: Path) -> tuple[float, float, int]:
-    """Run ``argv``: (wall seconds, peak tree RSS in MiB, exit code); its output in ``log``."""
+def measure(argv: list[str], log: Path) -> tuple[float, float, int, float]:
+    """Run ``argv``: (wall s, peak tree RSS MiB, exit code, CPU s); its output in ``log``.
+
+    The CPU seconds (user + system) are summed over the child and every descendant seen while
+    sampling (the worker processes too; the last 20 ms of each may be missed): on a shared
+    machine they vary less than the wall time.
+    """
     with open(log, "w") as out:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        peak = 0
-        while proc.poll() is None:
-            peak = max(peak, _tree_rss(proc.pid))
+        peak, cpu = 0, {}
+        while True:
+            pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            rss, seen = _tree(proc.pid)
+            peak = max(peak, rss)
+            cpu.update(seen)
             time.sleep(0.02)
         wall = time.perf_counter() - start
-    return wall, peak / 2**20, proc.returncode
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return wall, peak / 2**20, proc.returncode, sum(cpu.values())
 
 
 def _remove(*paths: Path) -> None:
@@ -95,17 +112,19 @@ def _available_bytes() -> int:
 
 
 def _runs(name: str, argv: list[str], outputs: list[Path], repeat: int, folder: Path) -> dict:
-    walls, peaks, codes = [], [], []
+    walls, peaks, codes, cpus = [], [], [], []
     for r in range(repeat):
-        wall, peak, code = measure(argv, folder / f"{name}.log")
+        wall, peak, code, cpu = measure(argv, folder / f"{name}.log")
         _remove(*outputs)
-        walls.append(wall), peaks.append(peak), codes.append(code)
-        print(f"  {name} run {r + 1}: {wall:.1f} s, {peak:.0f} MiB, exit {code}", flush=True)
+        walls.append(wall), peaks.append(peak), codes.append(code), cpus.append(cpu)
+        print(f"  {name} run {r + 1}: {wall:.1f} s, {peak:.0f} MiB, cpu {cpu:.1f} s, "
+              f"exit {code}, load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
         if code:
             print((folder / f"{name}.log").read_text()[-1500:], file=sys.stderr)
             break
-    return {"wall_s": walls, "peak_mib": peaks, "exit": codes,
-            "median_s": statistics.median(walls), "median_peak_mib": statistics.median(peaks)}  # fmt: skip
+    return {"wall_s": walls, "peak_mib": peaks, "exit": codes, "cpu_s": cpus,
+            "median_s": statistics.median(walls), "median_peak_mib": statistics.median(peaks),
+            "median_cpu_s": statistics.median(cpus)}  # fmt: skip
 
 
 def bench(layers: int, args: argparse.Namespace, layer: Path) -> dict:
@@ -154,14 +173,20 @@ _TOOLS = ("fuse", "fuse+verify", "onnx load+save", "onnx-ir load+save")
 def _cell(r: dict, tool: str) -> list[str]:
     m = r.get(tool)
     if m is None or "median_s" not in m:
-        return ["-", "-"] if m is None else [m.get("skipped", "-"), "-"]
+        return ["-", "-", "-"] if m is None else [m.get("skipped", "-"), "-", "-"]
     spread = f" ({min(m['wall_s']):.1f}-{max(m['wall_s']):.1f})" if len(m["wall_s"]) > 1 else ""
-    return [f"{m['median_s']:.1f}{spread}", f"{m['median_peak_mib']:.0f}"]
+    return [
+        f"{m['median_s']:.1f}{spread}",
+        f"{m['median_cpu_s']:.1f}",
+        f"{m['median_peak_mib']:.0f}",
+    ]
 
 
 def report(results: list[dict]) -> None:
     """The table and the Done-when checks."""
-    header = ["layers", "data GiB"] + [f"{t} {w}" for t in _TOOLS for w in ("s", "peak MiB")]
+    header = ["layers", "data GiB"] + [
+        f"{t} {w}" for t in _TOOLS for w in ("s", "cpu s", "peak MiB")
+    ]
     rows = [[r["layers"], f"{r['data_bytes'] / 2**30:.2f}"] + sum((_cell(r, t) for t in _TOOLS), [])
             for r in results]  # fmt: skip
     print_table(header, rows)
@@ -169,8 +194,9 @@ def report(results: list[dict]) -> None:
         fuse, ref = r["fuse"], r.get("onnx load+save", {})
         if "median_s" in ref:
             ratio = fuse["median_s"] / ref["median_s"]
-            print(f"{r['layers']} layers: fuse / onnx load+save = {ratio:.2f} (<= 1.5: "
-                  f"{'yes' if ratio <= 1.5 else 'NO'})")  # fmt: skip
+            cpu = fuse["median_cpu_s"] / ref["median_cpu_s"]
+            print(f"{r['layers']} layers: fuse / onnx load+save = {ratio:.2f} wall, {cpu:.2f} "
+                  f"cpu (<= 1.5: {'yes' if ratio <= 1.5 else 'NO'})")  # fmt: skip
         print(f"{r['layers']} layers: fuse peak {fuse['median_peak_mib']:.0f} MiB (<= 1024: "
               f"{'yes' if fuse['median_peak_mib'] <= 1024 else 'NO'})")  # fmt: skip
         ver = r.get("fuse+verify")
