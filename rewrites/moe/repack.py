@@ -16,8 +16,8 @@ Per expert and projection part (FC1's gate and up are two parts of one fused inp
 ``K`` the reduction axis and ``N`` the outputs, a K-major (``"kn"``) source ``[K, N]`` is
 transposed, an output-major (``"nk"``) one ``[N, K]`` is already in place:
 
-* 4-bit ``kn`` with even ``N``: the bytes of rows ``2i`` and ``2i + 1`` are paired into one
-  16-bit index and :data:`_KN4_LUT` gives, in one lookup, the two output bytes of columns
+* 4-bit ``kn`` with even ``N``: each byte of rows ``2i`` and ``2i + 1`` is looked up in a
+  256-entry table (:func:`_kn4_tables`) and the two ORed give the two output bytes of columns
   ``2j`` and ``2j + 1`` (``[K / 2, N]``), then one transpose; otherwise the codes are unpacked
   and packed again (still integers);
 * FC1's parts are joined along ``N`` and its rows put in the fused order (``columns``);
@@ -46,20 +46,24 @@ __all__ = [
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _kn4_lut() -> np.ndarray:
-    """``lut[a | c << 8]``: the output bytes (column ``2j`` low, ``2j + 1`` high) of a pair.
+def _kn4_tables(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(low, high)``: ``low[a] | high[c]`` is the output pair of bytes of a source pair.
 
     ``a`` holds codes ``(2i, 2j)`` (low nibble) and ``(2i, 2j + 1)``; ``c`` the same of row
-    ``2i + 1``. The output byte of column ``n`` holds ``(2i, n)`` low and ``(2i + 1, n)`` high.
+    ``2i + 1``. The output byte of column ``n`` holds ``(2i, n)`` low and ``(2i + 1, n)`` high,
+    so as one little-endian 16-bit value (column ``2j`` first): ``a``'s nibbles go to bits 0-3
+    and 8-11, ``c``'s to bits 4-7 and 12-15. Signed codes get their shift (``^ 0x8``) in the
+    tables, each on its own nibbles (the two tables' bits do not overlap).
     """
-    idx = np.arange(1 << 16, dtype=np.uint32)
-    a, c = idx & 0xFF, idx >> 8
-    even = (a & 0xF) | ((c & 0xF) << 4)
-    odd = (a >> 4) | (c & 0xF0)
-    return (even | (odd << 8)).astype("<u2")
+    byte = np.arange(256, dtype=np.uint16)
+    low = (byte & 0xF) | ((byte >> 4) << 8)
+    high = ((byte & 0xF) << 4) | ((byte & 0xF0) << 8)
+    if signed:
+        low, high = low ^ 0x0808, high ^ 0x8080
+    return low.astype("<u2"), high.astype("<u2")
 
 
-_KN4_LUT = _kn4_lut()
+_KN4_TABLES = {signed: _kn4_tables(signed) for signed in (False, True)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,12 +147,11 @@ def _output_major(
         w = b.reshape(n, k // 2)
         return np.bitwise_xor(w, 0x88) if signed else w.copy()
     if n % 2 == 0:
-        # rows 2i and 2i+1 side by side: each little-endian pair of bytes is one LUT index
-        idx = np.ascontiguousarray(b.reshape(k // 2, 2, n // 2).transpose(0, 2, 1)).view("<u2")
-        out = _KN4_LUT[idx[..., 0]].view(np.uint8)  # [K / 2, N]
-        if signed:
-            out ^= 0x88
-        return np.ascontiguousarray(out.T)
+        low, high = _KN4_TABLES[signed]
+        pairs = b.reshape(k // 2, 2, n // 2)  # rows 2i and 2i + 1
+        out = np.take(low, pairs[:, 0, :])
+        out |= np.take(high, pairs[:, 1, :])
+        return np.ascontiguousarray(out.view(np.uint8).T)  # [K / 2, N] -> [N, K / 2]
     codes = _unpack4(b).reshape(k, n).T  # a row of N codes crosses bytes: through the codes
     if signed:
         codes = codes ^ 0x8
