@@ -87,6 +87,11 @@ def write_deferred(path: str, offset: int, array: StreamedArray) -> tuple[int, s
     return None
 
 
+#: Below this many reserved bytes :meth:`ScratchFileSink.finish` writes in this process: starting
+#: a worker costs about a second (its imports), more than repacking a small model takes.
+PARALLEL_MIN_BYTES = 64 << 20
+
+
 def default_jobs() -> int:
     """Worker processes for repacking by default: the CPUs this process may run on."""
     try:
@@ -107,7 +112,11 @@ class ScratchFileSink:
     """
 
     def __init__(
-        self, folder: str | os.PathLike[str], prefix: str = "onnx-moe-fuse", jobs: int = 1
+        self,
+        folder: str | os.PathLike[str],
+        prefix: str = "onnx-moe-fuse",
+        jobs: int = 1,
+        min_parallel_bytes: int = PARALLEL_MIN_BYTES,
     ) -> None:
         """Create the (empty) scratch file in ``folder``, which must exist and be writable."""
         self.folder = Path(folder).resolve()
@@ -115,6 +124,7 @@ class ScratchFileSink:
         self.path = Path(path)
         self._fd: int | None = fd
         self.jobs = max(1, int(jobs))
+        self.min_parallel_bytes = int(min_parallel_bytes)
         self.bytes_written = 0
         self.tensors_written = 0
         self._end = 0
@@ -170,6 +180,17 @@ class ScratchFileSink:
         if self._fd is None:
             raise ValueError(f"the scratch weight file {self.path} is closed")
         workers = min(self.jobs, len(pending))
+        if sum(a.nbytes for _, a, _ in pending) < self.min_parallel_bytes:
+            workers = 1
+        if workers == 1:  # a small model: no process to start
+            for offset, array, name in pending:
+                try:
+                    _write_pieces(self._fd, array, offset)
+                except OSError as exc:
+                    raise self._write_error(
+                        exc.strerror or one_line(exc), name, array.nbytes
+                    ) from exc
+            return
         context = mp.get_context(
             "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         )

@@ -140,7 +140,7 @@ def test_file_sink_workers_write_what_the_main_process_writes(tmp_path):
                 (None, rng.permutation(10), rng.permutation(10))]  # fmt: skip
     want = [in_memory(s, f"w{i}").numpy() for i, s in enumerate(streamed)]
     small = rng.standard_normal((3, 4)).astype(np.float32)
-    with ScratchFileSink(tmp_path, jobs=2) as sink:
+    with ScratchFileSink(tmp_path, jobs=2, min_parallel_bytes=0) as sink:
         tensors = [sink(s, f"w{i}") for i, s in enumerate(streamed)]
         plain = sink(small, "small")
         sink.finish()
