@@ -139,28 +139,34 @@ def _reference_outputs(
     return out
 
 
-def verify_one(
+def _peak_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def reference_job(
+    orig_cut: onnx.ModelProto, original_path: Path, seeds: Sequence[int]
+) -> tuple[dict[int, dict[str, np.ndarray]], float]:
+    """A layer's first process: the original region's outputs per seed, and its peak MiB."""
+    select_before_dequantize(orig_cut)
+    orig_full = load_model(orig_cut, base_dir=original_path.parent)
+    return _reference_outputs(orig_full, seeds), _peak_mib()
+
+
+def fused_job(
     name: str,
     orig_cut: onnx.ModelProto,
     fused_cut: onnx.ModelProto,
-    original_path: Path,
     fused_path: Path,
     seeds: Sequence[int],
     quantization: QuantizedTolerance | None,
     limit: int | None,
+    references: dict[int, dict[str, np.ndarray]],
 ) -> dict[str, Any]:
-    """One layer's verification (run in a process of its own): its report record."""
-    start = time.perf_counter()
-    select_before_dequantize(orig_cut)
+    """A layer's second process: the fused region compared with ``references``; the record."""
     adapter_note = _too_big_for_adapter(fused_cut, limit)
     paths = tuple(p for p in PATHS if not (adapter_note and p == "wgpu"))
-    # the original region first, alone in memory; then the fused one
-    orig_full = load_model(orig_cut, base_dir=original_path.parent)
-    references = _reference_outputs(orig_full, seeds)
-    del orig_full
     del orig_cut.graph.initializer[:]  # its inputs and outputs are all verify reads now
     fused_full = load_model(fused_cut, base_dir=fused_path.parent)
-    del fused_cut
     report = verify(
         orig_cut,
         fused_full,
@@ -169,13 +175,11 @@ def verify_one(
         quantization=quantization,
         references=references,
     )
-    del fused_full
     record: dict[str, Any] = {
         "layer": name,
-        "seconds": round(time.perf_counter() - start, 3),
         "passed": report.passed,
         "max_rel": _max_rel(report),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": _peak_mib(),
         **report.to_dict(),
     }
     if adapter_note:
@@ -220,13 +224,21 @@ def verify_layers(
     )
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(["onnx_moe_fuse.verify.layers"])
-    # one fresh process per layer: all of a layer's memory goes back when it ends (in one
+    # fresh processes per layer: all of a layer's memory goes back when it ends (in one
     # process glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight)
     with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
         for i, (fusion, orig_cut, fused_cut) in enumerate(cuts):
-            job = (fusion["name"], orig_cut, fused_cut, original_path, fused_path, tuple(seeds),
-                   quantization, limit)  # fmt: skip
-            record = pool.submit(verify_one, *job).result()
+            start = time.perf_counter()
+            # the original region alone in one process, the fused one in the next: each
+            # process's memory is one region's
+            refs, ref_peak = pool.submit(
+                reference_job, orig_cut, original_path, tuple(seeds)
+            ).result()
+            job = (fusion["name"], orig_cut, fused_cut, fused_path, tuple(seeds), quantization,
+                   limit, refs)  # fmt: skip
+            record = pool.submit(fused_job, *job).result()
+            record["seconds"] = round(time.perf_counter() - start, 3)
+            record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
             layers.append(record)
             if progress is not None:
                 progress(i + 1, len(cuts), record)
