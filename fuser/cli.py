@@ -50,6 +50,7 @@ from onnx_moe_fuse.cli_summary import (
     print_near_misses,
     write_json_atomic,
 )
+from onnx_moe_fuse.cli_verify import LayersFailed, adapter_name, layer_check, per_layer
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
 from onnx_moe_fuse.io.output_paths import one_line
@@ -146,7 +147,7 @@ def _fuse_command(args: argparse.Namespace) -> int:
             raise OptionError("give the output path with -o OUT.onnx", option="-o")
         input_path = Path(args.input)
     _check_paths(args, input_path)
-    if not args.demo and (not args.verify or _per_layer(args, input_path)):
+    if not args.demo and (not args.verify or per_layer(args, input_path)):
         # weights stay on disk: docs/architecture.md, "Memory"; --verify then goes layer by layer
         if args.verify:
             adapter = _needs_adapter()
@@ -245,7 +246,7 @@ def _fuse_streaming(
     from onnx_moe_fuse.streaming_io import fuse_file
 
     verification: dict[str, Any] = {}
-    check = _layer_check(args, input_path, seeds or [0], progress, verification)
+    check = layer_check(args, input_path, seeds or [0], progress, verification)
     try:
         result = fuse_file(
             input_path,
@@ -258,11 +259,11 @@ def _fuse_streaming(
             jobs=args.jobs,
             check=check,
         )
-    except _LayersFailed as failed:
+    except LayersFailed as failed:
         print_layers(verification)
         if args.report:
             failed.report["verification"] = verification
-            failed.report["run"] = progress.run_section(_adapter_name())
+            failed.report["run"] = progress.run_section(adapter_name())
             write_json_atomic(args.report, failed.report)
         return _error("verification FAILED: no model written", EXIT_FAILED)
     report: dict[str, Any] = {
@@ -279,7 +280,7 @@ def _fuse_streaming(
             "passed": True,
             "note": "nothing fused: the output equals the input",
         }
-        report["run"] = progress.run_section(_adapter_name())
+        report["run"] = progress.run_section(adapter_name())
         print_layers(verification)
     print("wrote " + ", ".join(str(p) for p in result.written))
     _warn_stale_data(args.output, result.written)
@@ -287,76 +288,6 @@ def _fuse_streaming(
         write_json_atomic(args.report, report)
         print(f"wrote {args.report}")
     return EXIT_OK
-
-
-#: Weights (external data bytes) above which ``--verify`` goes layer by layer by default.
-PER_LAYER_BYTES = 256 << 20
-
-
-def _per_layer(args: argparse.Namespace, input_path: Path) -> bool:
-    """``--verify`` layer by layer: asked for, or a model with over 256 MiB of external data."""
-    if args.per_layer:
-        return True
-    from onnx_moe_fuse.io.model_check import all_tensors, is_external
-
-    try:
-        import onnx
-
-        proto = onnx.load(str(input_path), load_external_data=False)
-    except Exception:  # the streaming path's own checks name what is wrong with it
-        return False
-    total = 0
-    for t in all_tensors(proto):
-        if is_external(t):
-            info = {e.key: e.value for e in t.external_data}
-            total += int(info.get("length") or 0)
-    return total > PER_LAYER_BYTES
-
-
-class _LayersFailed(Exception):
-    """Per-layer verification failed: the output is not moved into place."""
-
-    def __init__(self, report: dict[str, Any]) -> None:
-        super().__init__("verification failed")
-        self.report = report
-
-
-def _adapter_name() -> str | None:
-    try:
-        from onnx_moe_fuse.kernels import default_device
-
-        return default_device().description
-    except Exception:
-        return None
-
-
-def _layer_check(args, input_path, seeds, progress, verification):
-    """The streaming path's check: per-layer verification of the written output (or None)."""
-    if not args.verify:
-        return None
-    from onnx_moe_fuse.verify.layers import verify_layers
-    from onnx_moe_fuse.verify.quant_error import verify_tolerance
-
-    def check(fused_path: Path, report: Any) -> None:
-        def shown(i: int, n: int, record: dict[str, Any]) -> None:
-            progress.detail = f"layer {i}/{n}"
-
-        verification.update(
-            verify_layers(
-                input_path,
-                fused_path,
-                report.fusions,
-                seeds=seeds,
-                quantization=verify_tolerance(report.fusions),
-                progress=shown,
-            )
-        )
-        progress.detail = "passed" if verification["passed"] else "FAILED"
-        if not verification["passed"]:
-            raise _LayersFailed({"input": str(input_path), "output": args.output,
-                                 **report.to_dict()})  # fmt: skip
-
-    return check
 
 
 def _self_check(args: argparse.Namespace) -> int:
