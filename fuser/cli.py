@@ -2,7 +2,7 @@
 
     onnx-moe-fuse IN.onnx -o OUT.onnx [--verify [--seeds 0,1,2]] [--report REPORT.json]
                   [--only QMoE,MoE] [--target ort-cpu|ort-cuda|ort-webgpu] [--explain | --quiet]
-                  [--quantize int4|int8 [--block-size N]] [--accuracy-level N] [--debug]
+                  [--quantize int4|int8 [--block-size N]] [--accuracy-level N] [--jobs N] [--debug]
     onnx-moe-fuse --demo [-o OUT.onnx] [--report REPORT.json] [--seeds 0,1,2] [--explain]
     onnx-moe-fuse --self-check [--seed N] | --list-adapters | --version
 
@@ -44,7 +44,13 @@ from onnx_moe_fuse.cli_options import (
     parse_only,
     parse_seeds,
 )
-from onnx_moe_fuse.cli_summary import print_fusions, print_near_misses, write_json_atomic
+from onnx_moe_fuse.cli_summary import (
+    print_fusions,
+    print_layers,
+    print_near_misses,
+    write_json_atomic,
+)
+from onnx_moe_fuse.cli_verify import LayersFailed, adapter_name, layer_check, per_layer
 from onnx_moe_fuse.contract.targets import DEFAULT_TARGET, Target
 from onnx_moe_fuse.errors import MoEFuseError, OptionError, user_error_in
 from onnx_moe_fuse.io.output_paths import one_line
@@ -141,8 +147,13 @@ def _fuse_command(args: argparse.Namespace) -> int:
             raise OptionError("give the output path with -o OUT.onnx", option="-o")
         input_path = Path(args.input)
     _check_paths(args, input_path)
-    if not args.demo and not args.verify:  # weights stay on disk: docs/architecture.md, "Memory"
-        return _fuse_streaming(args, input_path, only, target, progress, quantization)
+    if not args.demo and (not args.verify or per_layer(args, input_path)):
+        # weights stay on disk: docs/architecture.md, "Memory"; --verify then goes layer by layer
+        if args.verify:
+            adapter = _needs_adapter()
+            if isinstance(adapter, int):
+                return adapter
+        return _fuse_streaming(args, input_path, only, target, progress, quantization, seeds)
     if args.demo:
         from onnx_moe_fuse.samples import default_sample
 
@@ -224,19 +235,37 @@ def _fuse_streaming(
     target: Target,
     progress: Progress,
     quantization: Quantization | None = None,
+    seeds: list[int] | None = None,
 ) -> int:
-    """Fuse a model file without ``--verify`` (:func:`onnx_moe_fuse.streaming_io.fuse_file`)."""
+    """Fuse a model file streaming (:func:`onnx_moe_fuse.streaming_io.fuse_file`).
+
+    With ``--verify`` each fused layer is verified against its original region before the
+    output is moved into place (:func:`onnx_moe_fuse.verify.layers.verify_layers`); a failure
+    exits 1 and leaves no model.
+    """
     from onnx_moe_fuse.streaming_io import fuse_file
 
-    result = fuse_file(
-        input_path,
-        args.output,
-        only=only,
-        target=target,
-        progress=progress,
-        quantize=quantization,
-        accuracy_level=args.accuracy_level,
-    )
+    verification: dict[str, Any] = {}
+    check = layer_check(args, input_path, seeds or [0], progress, verification)
+    try:
+        result = fuse_file(
+            input_path,
+            args.output,
+            only=only,
+            target=target,
+            progress=progress,
+            quantize=quantization,
+            accuracy_level=args.accuracy_level,
+            jobs=args.jobs,
+            check=check,
+        )
+    except LayersFailed as failed:
+        print_layers(verification)
+        if args.report:
+            failed.report["verification"] = verification
+            failed.report["run"] = progress.run_section(adapter_name())
+            write_json_atomic(args.report, failed.report)
+        return _error("verification FAILED: no model written", EXIT_FAILED)
     report: dict[str, Any] = {
         "input": str(input_path),
         "output": args.output,
@@ -246,6 +275,13 @@ def _fuse_streaming(
     print_fusions(report, target, args.explain)
     if args.explain:
         print_near_misses(report)
+    if args.verify:
+        report["verification"] = verification or {
+            "passed": True,
+            "note": "nothing fused: the output equals the input",
+        }
+        report["run"] = progress.run_section(adapter_name())
+        print_layers(verification)
     print("wrote " + ", ".join(str(p) for p in result.written))
     _warn_stale_data(args.output, result.written)
     if args.report:

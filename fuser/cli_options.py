@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "exits 1 and writes no model",
     )
     parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="with --verify: compare each fused layer with the region it replaced, one layer "
+        "in memory at a time (the default for models with more than 256 MiB of external "
+        "weights; smaller ones are verified whole)",
+    )
+    parser.add_argument(
         "--report", action=_Once, help="write a JSON report: fusions, near misses, verification"
     )
     parser.add_argument(
@@ -108,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="QMoE's accuracy_level (0-4) on every QMoE node, for targets that take it "
         "(ort-cpu); 4 computes with int8 activations (not exact)",
+    )
+    parser.add_argument(
+        "--jobs",
+        action=_Once,
+        type=int,
+        metavar="N",
+        help="worker processes repacking the fused layers' weights, each one expert at a time "
+        "(default: the CPUs this process may use; 1 repacks in the main process)",
     )
     parser.add_argument(
         "--explain",
@@ -225,6 +240,8 @@ def check_combination(args: argparse.Namespace) -> None:
         "--quantize": args.quantize,
         "--block-size": args.block_size,
         "--accuracy-level": args.accuracy_level,
+        "--jobs": args.jobs,
+        "--per-layer": args.per_layer,
         "--seeds": args.seeds,
         "--verify": args.verify,
         "--explain": args.explain,
@@ -238,6 +255,10 @@ def check_combination(args: argparse.Namespace) -> None:
                     raise _no_effect(shown, f"with {command}")
     if args.seed is not None and not args.self_check:
         raise _no_effect("--seed", "without --self-check (--seeds sets verification seeds)")
+    if args.jobs is not None and args.jobs < 1:
+        raise OptionError(f"--jobs must be 1 or more, got {args.jobs}", option="--jobs")
+    if args.per_layer and not args.verify:
+        raise _no_effect("--per-layer", "without --verify")
     if args.seeds is not None and not (args.verify or args.demo):
         raise _no_effect("--seeds", "without --verify")
     if args.demo and args.input:

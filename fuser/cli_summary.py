@@ -85,3 +85,23 @@ def print_near_misses(report: dict[str, Any]) -> None:
         print(f"near miss at {where}: {detail}{m['reason']}")
     for line in report.get("canonicalisation", []):
         print(f"note: {line}")
+
+
+def print_layers(verification: dict[str, Any]) -> None:
+    """Per-layer verification's lines: each layer's result, error and time, then the verdict."""
+    layers = verification.get("layers")
+    if not layers:
+        return
+    for record in layers:
+        paths = ", ".join(
+            f"{name} {p.get('status')}" for name, p in (record.get("paths") or {}).items()
+        )
+        print(
+            f"  layer {record['layer']}: {'passed' if record['passed'] else 'FAILED'} "
+            f"(max rel {record['max_rel']:.2e}; {paths}; {record['seconds']:.1f} s)"
+        )
+        for message in record.get("messages") or []:
+            print(f"    {message}")
+    verdict = "passed" if verification.get("passed") else "FAILED"
+    print(f"verification {verdict}: {len(layers)} layers, one at a time "
+          f"(estimate {verification.get('estimate_mib')} MiB a layer)")  # fmt: skip

@@ -16,9 +16,10 @@ holds the model's weights in memory:
    in the output's folder: each fused layer's repacked weights go to the scratch file as they
    are made, and the rules read each layer's source weights transiently
    (:func:`onnx_moe_fuse.rewrites.graph.tensor_reads.read_array`);
-4. ``ir.save`` with external data writes the model into a hidden temporary folder inside the
-   output's folder, copying each tensor from its file (the input's data, the scratch file) into
-   ``<out name>.data`` one at a time; both files are fsynced and moved into place with
+4. the scratch file becomes ``<out name>.data`` in a hidden temporary folder inside the
+   output's folder (:func:`onnx_moe_fuse.io.sink_save.save_into_sink_file`: the model's other
+   large tensors appended to it, copied in the kernel from the input's data), so the fused
+   weights are written once, and the model file beside it; both files are fsynced and moved into place with
    ``os.replace``, the data file first, the model file last; a failure on the way removes the
    temporary folder and rolls a moved data file back (the previous one restored, or the new one
    removed), and the scratch file is removed in every case.
@@ -41,7 +42,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +69,8 @@ from onnx_moe_fuse.io.model_io import (
     move_into_place,
 )
 from onnx_moe_fuse.io.output_paths import check_output_paths, new_file_mode, one_line, size_text
-from onnx_moe_fuse.io.weight_sink import ScratchFileSink
+from onnx_moe_fuse.io.sink_save import save_into_sink_file
+from onnx_moe_fuse.io.weight_sink import ScratchFileSink, default_jobs
 from onnx_moe_fuse.pipeline import FusionReport, fusion_pipeline
 from onnx_moe_fuse.progress import Progress, fused_text
 from onnx_moe_fuse.rewrites.graph.weight_sink import in_memory
@@ -188,10 +190,13 @@ def _write(
     name: str,
     data_name: str,
     external: bool,
+    sink: ScratchFileSink | None = None,
 ) -> list[str]:
     """Write the model file ``name`` (and ``data_name``) into ``tmp``; return the names."""
     if not report.fusions:  # the passes' analyses annotate shapes: write the input as it was
         _write_unchanged(src, tmp / name, data_name)
+    elif external and sink is not None:  # the fused weights stay where the sink wrote them
+        return save_into_sink_file(model, sink, tmp, name, data_name)
     elif external:
         ir.save(
             model,
@@ -228,6 +233,8 @@ def fuse_file(
     progress: Progress | None = None,
     quantize: Quantization | None = None,
     accuracy_level: int | None = None,
+    jobs: int | None = None,
+    check: Callable[[Path, FusionReport], None] | None = None,
 ) -> StreamedFusion:
     """Fuse the model file ``input_path`` into ``out_path``, streaming weights from disk.
 
@@ -243,6 +250,14 @@ def fuse_file(
         quantize: opt-in quantisation of float layers into QMoE (parsed by
             :func:`onnx_moe_fuse.api.check_quantization`); ``accuracy_level``: QMoE's, on every
             QMoE node (see :func:`onnx_moe_fuse.fuse`).
+        jobs: worker processes writing the repacked QMoE weights (default
+            :func:`~onnx_moe_fuse.io.weight_sink.default_jobs`, the usable CPUs; 1: in this
+            process, as each layer is fused).
+        check: called with the written model file (in its temporary folder, its data beside
+            it) and the report once the output is written and before it is moved into place;
+            an exception there leaves nothing behind, as any failure does (per-layer
+            verification, :func:`onnx_moe_fuse.verify.layers.verify_layers`, runs there). Not
+            called when nothing fused.
 
     Raises:
         ModelLoadError: the input is missing, not a valid ONNX model, or its external data is
@@ -273,7 +288,8 @@ def fuse_file(
 
     report = FusionReport()
     with contextlib.ExitStack() as cleanup:
-        sink = cleanup.enter_context(ScratchFileSink(folder)) if external else None
+        workers = default_jobs() if jobs is None else jobs
+        sink = cleanup.enter_context(ScratchFileSink(folder, jobs=workers)) if external else None
         watched = progress.watch_sink(sink, in_memory)
         with progress.stage("fuse"):
             try:
@@ -291,6 +307,8 @@ def fuse_file(
                 if found is None:
                     raise
                 raise found from found.__cause__  # its own cause (the OSError) stays
+            if sink is not None:  # the layers' reserved weights, in worker processes
+                sink.finish()
             progress.detail = fused_text(report)
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=folder))
@@ -301,12 +319,15 @@ def fuse_file(
         cleanup.callback(shutil.rmtree, tmp, ignore_errors=True)
         try:
             with progress.stage("save"):
-                names = _write(model, report, src, tmp, out.name, data.name, external)
+                names = _write(model, report, src, tmp, out.name, data.name, external, sink)
                 for name in names:
                     os.chmod(tmp / name, new_file_mode())
                     fsync_path(tmp / name)
                 _test_pause()
-                move_into_place(tmp, folder, names, out.name)
+            if check is not None and report.fusions:
+                with progress.stage("verify"):
+                    check(tmp / out.name, report)
+            move_into_place(tmp, folder, names, out.name)
         except OSError as exc:
             if isinstance(exc, MoEFuseError):
                 raise

@@ -67,6 +67,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     f"{P}.cli": (P,),
     f"{P}.cli_options": (P,),
     f"{P}.cli_summary": (P,),
+    f"{P}.cli_verify": (P,),
     f"{P}.streaming_io": (P,),
     # progress on stderr and the report's run section: a front-level helper, imports nothing
     # of the project (the pipeline takes it as an observer and never imports it)

@@ -142,6 +142,8 @@ def verify(
     atol: float | None = None,
     paths: Sequence[str] = PATHS,
     quantization: QuantizedTolerance | None = None,
+    reference_ops: Sequence[Any] = (),
+    references: Mapping[int, Mapping[str, np.ndarray]] | None = None,
 ) -> VerificationReport:
     """Check that ``fused`` computes what ``original`` computes, on random inputs.
 
@@ -161,6 +163,12 @@ def verify(
             (:func:`onnx_moe_fuse.verify.quant_error.verify_tolerance` of the fusion report),
             used instead of the exact default on every path and named in each path's
             ``tolerance_notes``.
+        reference_ops: OpRun classes the reference path uses over its own (per-layer
+            verification's blocked DequantizeLinear, :mod:`.reference_dq`).
+        references: the original's outputs by seed, computed by the caller on the same
+            :func:`~onnx_moe_fuse.verify.reference.random_feeds` (per-layer verification runs
+            the original region first and lets its weights go before the fused one loads);
+            ``original`` then needs no weights (its graph inputs and outputs are read).
 
     Returns:
         A :class:`VerificationReport`; ``passed`` is False, with messages naming the path,
@@ -218,7 +226,10 @@ def verify(
             break
         feeds = random_feeds(original_p, seed, dims)
         try:
-            reference = run_reference(original_p, feeds)
+            if references is not None:
+                reference = dict(references[seed])
+            else:
+                reference = run_reference(original_p, feeds, extra_ops=reference_ops)
         except Exception as exc:  # reported below, not hidden
             messages.append(
                 f"FAILED reference: the original model does not run on the reference path "

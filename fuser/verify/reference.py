@@ -134,7 +134,10 @@ CUSTOM_OPS: tuple[type[OpRun], ...] = (
 
 
 def reference_evaluator(
-    model: onnx.ModelProto | str | os.PathLike[str], *, check_shapes: bool = False
+    model: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    check_shapes: bool = False,
+    extra_ops: Sequence[type[OpRun]] = (),
 ) -> ReferenceEvaluator:
     """Return a ReferenceEvaluator for ``model`` with the project's OpRun classes installed.
 
@@ -143,7 +146,8 @@ def reference_evaluator(
     """
     if not isinstance(model, onnx.ModelProto):
         model = os.fspath(model)
-    return ReferenceEvaluator(model, new_ops=list(CUSTOM_OPS), check_shape_annotations=check_shapes)
+    ops = [*CUSTOM_OPS, *extra_ops]  # extra_ops: e.g. reference_dq's, for per-layer runs
+    return ReferenceEvaluator(model, new_ops=ops, check_shape_annotations=check_shapes)
 
 
 def run_reference(
@@ -152,6 +156,7 @@ def run_reference(
     *,
     outputs: Sequence[str] | None = None,
     check_shapes: bool = False,
+    extra_ops: Sequence[type[OpRun]] = (),
 ) -> dict[str, np.ndarray]:
     """Run ``model`` on ``feeds`` on the reference path; returns ``{output name: array}``.
 
@@ -161,7 +166,7 @@ def run_reference(
     in the project's numpy code (see the module docstring). A model declaring opset 29 is run
     as it is (see the module docstring). ``outputs`` selects graph outputs (default: all).
     """
-    ev = reference_evaluator(model, check_shapes=check_shapes)
+    ev = reference_evaluator(model, check_shapes=check_shapes, extra_ops=extra_ops)
     names = list(outputs) if outputs is not None else list(ev.output_names)
     results = ev.run(names, dict(feeds))
     return dict(zip(names, results, strict=True))

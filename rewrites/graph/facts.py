@@ -24,6 +24,7 @@ __all__ = [
     "label",
     "value_label",
     "const_array",
+    "const_tensor",
     "const_ints",
     "const_float",
     "is_real",
@@ -94,6 +95,25 @@ def default_opset(graph: ir.Graph | None) -> int:
 
 
 # -- constants ---------------------------------------------------------------------------------
+
+
+def const_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The tensor of ``value``'s initializer or Constant ``value`` attribute, unread; or None.
+
+    For proofs that need a constant's type and shape but not its numbers (the expert weights:
+    their bytes are read only when they are repacked). A graph input is not constant.
+    """
+    if value is None or value.is_graph_input():
+        return None
+    if value.const_value is not None:
+        return value.const_value
+    node = value.producer()
+    if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    attr = node.attributes.get("value")
+    if len(node.attributes) != 1 or attr is None or attr.is_ref():
+        return None
+    return attr.value
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:

@@ -8,6 +8,11 @@ Output: the arrays of ORT's output-major layout:
   nibble; codes stored as ``q + 8`` / ``q + 128``), scales ``[E, N1]`` (one per output row) or
   ``[E, N1, H / block]``, the same for FC2 with ``[E, H, I / pack]``.
 
+Quantized weights are repacked expert by expert in the integer domain (:mod:`.repack`): the
+QMoE weights and scales come out as streamed arrays that a weight sink writes one expert at a
+time, so a layer's codes are never unpacked, widened or held whole. A source whose experts do
+not start on whole bytes is read whole instead (still integers).
+
 With asymmetric zero points (``LayerPlan.zero_points``) both projections get zero-point inputs
 (a projection with symmetric weights gets the symmetric point written out), packed by
 :func:`~onnx_moe_fuse.contract.packing.pack_qmoe_zero_points`: ``[E, N / pack]`` column-wise,
@@ -32,13 +37,24 @@ import numpy as np
 from onnx_moe_fuse.contract.packing import pack_qmoe, pack_qmoe_zero_points, zero_point
 from onnx_moe_fuse.rewrites.moe.analysis import ExpertWeights, LayerPlan
 from onnx_moe_fuse.rewrites.moe.quantize import quantize_weights
+from onnx_moe_fuse.rewrites.moe.repack import (
+    Part,
+    RepackedCodes,
+    RepackedScales,
+    row_order,
+    source_of,
+)
 
 __all__ = ["FusedArrays", "float_arrays", "fused_arrays", "quantize_arrays"]
 
 
 @dataclass(frozen=True)
 class FusedArrays:
-    """The constant inputs of one fused node (``None`` for an absent optional input)."""
+    """The constant inputs of one fused node (``None`` for an absent optional input).
+
+    A QMoE node's weights and scales may be streamed arrays (:mod:`.repack`), which a weight
+    sink turns into tensors without making them whole.
+    """
 
     fc1: np.ndarray
     fc1_scales: np.ndarray | None
@@ -97,8 +113,55 @@ def _zero_points_of(w: ExpertWeights) -> np.ndarray:
     """``w``'s zero points ``[E, blocks, N]``, the symmetric point where it has none."""
     if w.zero_points is not None:
         return w.zero_points
-    assert w.scales is not None
-    return np.full(w.scales.shape, zero_point(w.bits), np.uint8)
+    e, _, n = w.shape
+    return np.full((e, w.scale_blocks, n), zero_point(w.bits), np.uint8)
+
+
+def _streamed_codes(parts: tuple[ExpertWeights, ...], cols: np.ndarray | None, bits: int):
+    """The QMoE weight input of ``parts`` (joined, rows ``cols``) made expert by expert.
+
+    None when a source's experts do not start on whole bytes (read whole instead).
+    """
+    pieces = []
+    for p in parts:
+        assert p.codes_source is not None
+        src = source_of(p.codes_source)
+        if src is None:
+            return None
+        k, n = p.shape[1], p.shape[2]
+        pieces.append(Part(src, p.layout, k, n))
+    signed = parts[0].offset == 0
+    if any((p.offset == 0) != signed for p in parts):
+        return None
+    return RepackedCodes(tuple(pieces), bits, signed, row_order(cols, sum(p.n for p in pieces)))
+
+
+def _streamed_scales(parts: tuple[ExpertWeights, ...], cols: np.ndarray | None, block: int):
+    """The QMoE scales input of ``parts`` made expert by expert (None: read whole instead)."""
+    pieces = []
+    for p in parts:
+        if p.scales_source is None:
+            return None
+        src = source_of(p.scales_source)
+        if src is None:
+            return None
+        pieces.append(Part(src, p.layout, p.scale_blocks, p.shape[2]))
+    dtype = parts[0].dtype.numpy()
+    n = sum(p.n for p in pieces)
+    return RepackedScales(tuple(pieces), np.dtype(dtype), not block, row_order(cols, n))
+
+
+def _quant_input(parts: tuple[ExpertWeights, ...], cols: np.ndarray | None, bits: int, block: int):
+    """(weights, scales) of one QMoE projection: streamed where the sources allow it."""
+    codes = _streamed_codes(parts, cols, bits)
+    scales = _streamed_scales(parts, cols, block)
+    if codes is not None and scales is not None:
+        return codes, scales
+    index = slice(None) if cols is None else cols
+    whole_codes = np.concatenate([p.codes for p in parts], axis=2)[:, :, index]  # type: ignore[misc]
+    whole_scales = np.concatenate([p.scales for p in parts], axis=2)[:, :, index]  # type: ignore[misc]
+    w, s = _output_major_quant(whole_codes, whole_scales, bits, block)
+    return (codes if codes is not None else w), (scales if scales is not None else s)
 
 
 def _output_major_zero_points(zp: np.ndarray, bits: int, block: int) -> np.ndarray:
@@ -138,10 +201,8 @@ def fused_arrays(plan: LayerPlan) -> FusedArrays:
     bias1 = _concat_bias(plan.fc1)
     bias1 = None if bias1 is None else np.ascontiguousarray(bias1[:, cols])
     bias2 = plan.fc2.bias
-    codes1 = np.concatenate([p.codes for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
-    scales1 = np.concatenate([p.scales for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
-    w1, s1 = _output_major_quant(codes1, scales1, plan.bits, plan.block)
-    w2, s2 = _output_major_quant(plan.fc2.codes, plan.fc2.scales, plan.bits, plan.block)  # type: ignore[arg-type]
+    w1, s1 = _quant_input(plan.fc1, cols, plan.bits, plan.block)
+    w2, s2 = _quant_input((plan.fc2,), None, plan.bits, plan.block)
     if plan.zero_points is None:
         return FusedArrays(w1, s1, bias1, w2, s2, bias2)
     zp1 = np.concatenate([_zero_points_of(p) for p in plan.fc1], axis=2)[:, :, cols]

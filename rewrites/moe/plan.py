@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.contract.ops import ACTIVATION_TYPES
+from onnx_moe_fuse.rewrites.graph.tensor_reads import read_array
 
 #: Activations QMoE takes: ORT CPU runs all five, and so do this project's QMoE kernels
 #: (kernels/qmoe/manifest.json; test.json has a gelu, silu and identity case each). A target
@@ -42,13 +43,17 @@ QUANT_TYPES = {
 class ExpertWeights:
     """One expert projection's weights in GroupedMatMul's K-major layout ``[E, K, N]``.
 
-    Float weights keep ``array``; quantized ones keep the source's integer codes ``raw``
-    (K-major, its symmetric zero point ``offset``), from which :attr:`codes` are computed when
-    the emission first reads them (the checks never do), ``scales`` ``[E, blocks, N]`` and
-    ``block``, the block size along K the source declares (0 when it declares none, or one
-    partial block). ``zero_points`` ``[E, blocks, N]`` (like ``scales``) holds asymmetric zero
-    points in the unsigned code space of :attr:`codes` (value = ``(code - zp) * scale``); None
-    when every zero point is the symmetric one.
+    Float weights keep ``array``. Quantized ones keep their source tensors, never read by the
+    proofs: ``codes_source`` (the integer codes as stored, ``layout`` ``"kn"`` ``[E, K, N]`` or
+    ``"nk"`` ``[E, N, K]``, symmetric zero point ``offset``) and, for 3-D scales,
+    ``scales_source`` (stored in the same layout; smaller scales, broadcast to ``[E, 1, N]``,
+    are read into ``small_scales``). ``scale_blocks`` is the number of scales along K, ``block``
+    the block size along K the source declares (0 when it declares none, or one partial block).
+    The emission reads the codes expert by expert (:mod:`.repack`); :attr:`raw`, :attr:`codes`
+    and :attr:`scales` read a whole layer's and serve only the forms that cannot be streamed.
+    ``zero_points`` ``[E, blocks, N]`` (like the scales) holds asymmetric zero points in the
+    unsigned code space of :attr:`codes` (value = ``(code - zp) * scale``); None when every zero
+    point is the symmetric one.
     """
 
     role: str
@@ -56,14 +61,33 @@ class ExpertWeights:
     shape: tuple[int, int, int]
     dtype: ir.DataType
     array: np.ndarray | None = None
-    raw: np.ndarray | None = None
+    codes_source: ir.TensorProtocol | None = None
+    layout: str = "kn"
     offset: int = 0
-    scales: np.ndarray | None = None
+    small_scales: np.ndarray | None = None
+    scales_source: ir.TensorProtocol | None = None
+    scale_blocks: int = 1
     bits: int = 0
     block: int = 0
     bias: np.ndarray | None = None
     source_nodes: tuple[ir.Node, ...] = ()
     zero_points: np.ndarray | None = None
+
+    @cached_property
+    def raw(self) -> np.ndarray | None:
+        """The source's integer codes, K-major ``[E, K, N]`` (a whole layer read: fallback)."""
+        if self.codes_source is None:
+            return None
+        q = read_array(self.codes_source)
+        return q.transpose(0, 2, 1) if self.layout == "nk" else q
+
+    @cached_property
+    def scales(self) -> np.ndarray | None:
+        """The scales K-major ``[E, blocks, N]`` (a 3-D source is read whole: fallback)."""
+        if self.scales_source is None:
+            return self.small_scales
+        s = read_array(self.scales_source)
+        return np.ascontiguousarray(s.transpose(0, 2, 1) if self.layout == "nk" else s)
 
     @cached_property
     def codes(self) -> np.ndarray | None:
@@ -78,12 +102,12 @@ class ExpertWeights:
     @property
     def per_channel(self) -> bool:
         """True when the scales can be one per expert and output channel (a single block)."""
-        return self.scales is not None and self.scales.shape[1] == 1
+        return self.quantized and self.scale_blocks == 1
 
     @property
     def quantized(self) -> bool:
         """True for DequantizeLinear weights."""
-        return self.raw is not None
+        return self.codes_source is not None
 
     def describe(self) -> str:
         """E.g. ``int4 blocked 32`` or ``float``."""

@@ -20,6 +20,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     attr_int,
     const_array,
     const_ints,
+    const_tensor,
     label,
     node_axes,
     normalize_axes,
@@ -118,25 +119,25 @@ def _layout_source(w: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
 
 
 def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeights:
-    """Quantized weights ``DequantizeLinear(q, scale, zero_point?)``, K-major codes and scales.
+    """Quantized weights ``DequantizeLinear(q, scale, zero_point?)``, K-major facts.
 
     An ``"nk"`` source (``q`` ``[E, N, K]``) is read as its K-major transpose: ``q`` and 3-D
-    scales swap their last two axes and the DequantizeLinear axis 1 / 2 is read as 2 / 1.
+    scales swap their last two axes and the DequantizeLinear axis 1 / 2 is read as 2 / 1. The
+    codes and 3-D scales are proved from their types and shapes only (their bytes are read at
+    emission, one expert at a time); smaller scales and the zero points are read.
     """
     x_v = dq.inputs[0]
     s_v = dq.inputs[1] if len(dq.inputs) > 1 else None
     z_v = dq.inputs[2] if len(dq.inputs) > 2 else None
-    q, s = const_array(x_v), const_array(s_v)
+    q_t, s_t = const_tensor(x_v), const_tensor(s_v)
     z = const_array(z_v) if z_v is not None else None
-    if q is None or s is None or (z_v is not None and z is None):
+    if q_t is None or s_t is None or (z_v is not None and z is None):
         raise Refusal(
             f"{role} quantized weights not constant: an input of DequantizeLinear '{label(dq)}' "
             "is not an initializer",
             dq,
         )
-    qtype = x_v.dtype if x_v is not None and x_v.dtype is not None else None
-    if qtype is None:
-        qtype = ir.DataType.from_numpy(q.dtype)
+    qtype = q_t.dtype
     if qtype not in QUANT_TYPES:
         raise Refusal(
             f"{role} weights are {qtype.name} behind DequantizeLinear '{label(dq)}'; QMoE takes "
@@ -145,23 +146,34 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
         )
     bits, signed = QUANT_TYPES[qtype]
     dims = ", ".join(layout.upper())
-    if q.ndim != 3:
+    q_shape = tuple(int(d) for d in q_t.shape)
+    if len(q_shape) != 3:
         raise Refusal(f"{role} quantized weights of '{label(dq)}' are not [E, {dims}]", dq)
     axis = attr_int(dq, "axis", 1)
     assert axis is not None
     if not -3 <= axis < 3:
         raise Refusal(f"DequantizeLinear '{label(dq)}' has axis {axis} on rank-3 weights", dq)
     ax = axis % 3  # from here on, in K-major terms: 0 experts, 1 K, 2 N
+    s_shape = tuple(int(d) for d in s_t.shape)
     if layout == "nk":
-        q = q.transpose(0, 2, 1)
-        s = s.transpose(0, 2, 1) if s.ndim == 3 else s
+        q_shape = (q_shape[0], q_shape[2], q_shape[1])
+        s_shape = (s_shape[0], s_shape[2], s_shape[1]) if len(s_shape) == 3 else s_shape
         ax = (0, 2, 1)[ax]
-    e, kk, n = q.shape
+    e, kk, n = q_shape
+    s_dtype = s_t.dtype
     out_dtype = attr_int(dq, "output_dtype", 0) or 0
-    dtype = ir.DataType(out_dtype) if out_dtype else ir.DataType.from_numpy(s.dtype)
-    if dtype not in FLOAT_TYPES or ir.DataType.from_numpy(s.dtype) != dtype:
-        raise Refusal(f"{role} scales of '{label(dq)}' are {s.dtype}; QMoE takes float scales", dq)
+    dtype = ir.DataType(out_dtype) if out_dtype else s_dtype
+    if dtype not in FLOAT_TYPES or s_dtype != dtype:
+        raise Refusal(
+            f"{role} scales of '{label(dq)}' are {s_dtype.name.lower()}; QMoE takes float scales",
+            dq,
+        )
     block = attr_int(dq, "block_size", 0) or 0
+    small = None  # scales read now (they are small), broadcast to [E, 1, N]
+    blocks = 1
+    s = None if len(s_shape) == 3 else const_array(s_v)
+    if len(s_shape) != 3 and s is None:
+        raise Refusal(f"{role} scales of '{label(dq)}' cannot be read", dq)
     if block:
         if ax != 1:
             raise Refusal(
@@ -169,22 +181,22 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
                 f"along the reduction axis K (axis {1 if layout == 'kn' else 2} of [E, {dims}])",
                 dq,
             )
-        if s.shape != (e, -(-kk // block), n):
-            raise Refusal(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
-        scales = s
+        if s_shape != (e, -(-kk // block), n):
+            raise Refusal(f"{role} scales of '{label(dq)}' have shape {s_shape}", dq)
+        blocks = s_shape[1]
         if kk % block:
             if block < kk:
                 raise Refusal(
                     f"{role} block size {block} does not divide K = {kk} ('{label(dq)}')", dq
                 )
             block = 0  # one partial block over K: one scale per expert and output channel
-    elif s.ndim == 0 or s.size == 1:
-        scales = np.broadcast_to(s.reshape(1, 1, 1), (e, 1, n))
-    elif s.ndim == 1:
+    elif s is not None and (s.ndim == 0 or s.size == 1):
+        small = np.broadcast_to(s.reshape(1, 1, 1), (e, 1, n))
+    elif s is not None and s.ndim == 1:
         if ax == 2 and s.shape == (n,):
-            scales = np.broadcast_to(s.reshape(1, 1, n), (e, 1, n))
+            small = np.broadcast_to(s.reshape(1, 1, n), (e, 1, n))
         elif ax == 0 and s.shape == (e,):
-            scales = np.broadcast_to(s.reshape(e, 1, 1), (e, 1, n))
+            small = np.broadcast_to(s.reshape(e, 1, 1), (e, 1, n))
         else:
             raise Refusal(
                 f"{role} weights have one scale per input channel (axis {axis}) in "
@@ -192,25 +204,35 @@ def _dequantized(role: str, w: ir.Value, dq: ir.Node, layout: str) -> ExpertWeig
                 dq,
             )
     else:
-        raise Refusal(f"{role} scales of '{label(dq)}' have shape {s.shape}", dq)
+        raise Refusal(f"{role} scales of '{label(dq)}' have shape {s_shape}", dq)
     sym = 0 if signed else 1 << (bits - 1)
     # no zero point means 0: symmetric for signed codes, the lowest code for unsigned ones
-    zp = np.zeros(s.shape, np.int64) if z is None else np.asarray(z)
-    zero_points = _zero_points(role, dq, zp, s, layout, ax, (e, scales.shape[1], n))
-    # into the unsigned code space of ExpertWeights.codes (a signed zp z becomes z + 2**(b-1))
-    zero_points = zero_points - sym + (1 << (bits - 1))
-    if np.all(zero_points == 1 << (bits - 1)):
-        zero_points = None  # symmetric: the node needs no zero-point input
+    stored = tuple(int(d) for d in s_t.shape)  # zero points have the scales' stored shape
+    if z is None and signed:
+        zero_points = None  # no zero point is 0, the symmetric point of signed codes
     else:
-        zero_points = np.ascontiguousarray(zero_points.astype(np.uint8))
+        # no zero point means 0: the lowest code for unsigned ones
+        zp = np.zeros((), np.int64) if z is None else np.asarray(z)
+        if z is None:
+            zp = np.broadcast_to(zp, stored)
+        zero_points = _zero_points(role, dq, zp, stored, layout, ax, (e, blocks, n))
+        # into the unsigned code space of ExpertWeights.codes (a signed zp z becomes z + 2**(b-1))
+        zero_points = zero_points - sym + (1 << (bits - 1))
+        if np.all(zero_points == 1 << (bits - 1)):
+            zero_points = None  # symmetric: the node needs no zero-point input
+        else:
+            zero_points = np.ascontiguousarray(zero_points.astype(np.uint8))
     return ExpertWeights(
         role,
         w,
         (e, kk, n),
         dtype,
-        raw=q,
+        codes_source=q_t,
+        layout=layout,
         offset=sym,
-        scales=np.ascontiguousarray(scales),
+        small_scales=None if small is None else np.ascontiguousarray(small),
+        scales_source=s_t if small is None else None,
+        scale_blocks=blocks,
         bits=bits,
         block=block,
         source_nodes=(dq,),
@@ -222,7 +244,7 @@ def _zero_points(
     role: str,
     dq: ir.Node,
     z: np.ndarray,
-    s: np.ndarray,
+    s_shape: tuple[int, ...],
     layout: str,
     ax: int,
     shape: tuple[int, int, int],
@@ -233,9 +255,9 @@ def _zero_points(
     scales (transposed for an ``"nk"`` source), a scalar or per-axis one is broadcast like them
     (``ax``: the K-major axis of a 1-D one). Returned as int64 in the source's code space.
     """
-    if z.shape != s.shape:
+    if z.shape != s_shape:
         raise Refusal(
-            f"{role} zero points of '{label(dq)}' have shape {z.shape}, not the scales' {s.shape}",
+            f"{role} zero points of '{label(dq)}' have shape {z.shape}, not the scales' {s_shape}",
             dq,
         )
     z = z.astype(np.int64)

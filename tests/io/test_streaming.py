@@ -28,6 +28,7 @@ from onnx import numpy_helper
 from onnx_moe_fuse import streaming_io
 from onnx_moe_fuse.api import fuse
 from onnx_moe_fuse.cli import main as cli_main
+from onnx_moe_fuse.io import sink_save
 from onnx_moe_fuse.io.model_io import ModelLoadError, load_model, save_model_atomic
 from onnx_moe_fuse.io.weight_sink import ScratchFileSink, in_memory
 from onnx_moe_fuse.samples.stacked import stacked_moe_model
@@ -201,11 +202,12 @@ def test_an_error_while_fusing_leaves_nothing(stacked, tmp_path, monkeypatch):
 def test_an_error_while_saving_leaves_nothing(stacked, tmp_path, monkeypatch):
     src = _copy_input(stacked, tmp_path / "work")
 
-    def failing_save(model, path, **kwargs):
+    def failing_save(model, path, *args, **kwargs):
         Path(path).write_bytes(b"partial")
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(streaming_io.ir, "save", failing_save)
+    # the model file is written last, after the scratch file became the data file
+    monkeypatch.setattr(sink_save.onnx, "save_model", failing_save)
     with pytest.raises(OSError, match="injected"):
         streaming_io.fuse_file(src, src.with_name("out.onnx"))
     assert _names(src.parent) == ["m.onnx", "m.onnx.data"]

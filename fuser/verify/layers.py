@@ -1,0 +1,251 @@
+"""Per-layer verification: each fused layer against the original region it replaced, one at a time.
+
+Whole-model verification (:func:`onnx_moe_fuse.verify.checker.verify`) runs both models whole,
+so it needs every weight of both in memory, several times over (a 4-layer, 361 MiB model peaked
+at 7.9 GiB). :func:`verify_layers` instead takes each fusion of the report in turn, cuts the two
+regions out of the model files (:func:`.regions.layer_models`: protos without data, types by
+shape inference), reads just that layer's weights of each from its data file, and runs the
+same checker on the pair: fresh random inputs per seed, the original region on the reference
+path (with :func:`.regions.select_before_dequantize`: only the selected experts dequantised,
+an exact identity), the fused region on ONNX Runtime and on the WebGPU kernels. Memory is then
+one layer's, whatever the model's size, and each layer's error and time are reported.
+
+Before it starts, :func:`estimate_bytes` sizes the largest layer's run (its weights on both
+sides, as numpy arrays and as ORT's and the adapter's copies, plus a fixed budget); when that
+is more than the memory available it refuses with :class:`VerifyMemoryError` naming the
+figures, before any work.
+
+A fused layer whose weight tensor is larger than the adapter's largest storage binding cannot
+run on the WebGPU kernels there (a software adapter binds 128 MiB; a Qwen3-30B-A3B layer's FC1
+is 192 MiB): that layer's WebGPU path is skipped, with the figures as its reason, and ORT
+alone compares it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_moe_fuse.errors import MoEFuseError
+from onnx_moe_fuse.io.model_io import load_model
+from onnx_moe_fuse.io.output_paths import size_text
+from onnx_moe_fuse.verify.checker import PATHS, verify
+from onnx_moe_fuse.verify.quant_error import QuantizedTolerance
+from onnx_moe_fuse.verify.reference import (
+    DEFAULT_DIM_VALUES,
+    feed_shapes,
+    random_feeds,
+    reference_evaluator,
+)
+from onnx_moe_fuse.verify.reference_dq import DequantizeLinear
+from onnx_moe_fuse.verify.regions import (
+    layer_models,
+    select_before_dequantize,
+    value_infos,
+)
+
+__all__ = ["FIXED_BYTES", "VerifyMemoryError", "estimate_bytes", "verify_layers"]
+
+#: The working budget of a layer's run besides its weights (interpreter, ORT, wgpu, feeds).
+FIXED_BYTES = 400 << 20
+
+
+class VerifyMemoryError(MoEFuseError, MemoryError):
+    """Per-layer verification would not fit in the memory available (a bad-input error)."""
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    info = {e.key: e.value for e in t.external_data}
+    if "length" in info:
+        return int(info["length"])
+    return len(t.raw_data) or t.ByteSize()
+
+
+def _weights(model: onnx.ModelProto) -> int:
+    return sum(_tensor_bytes(t) for t in model.graph.initializer)
+
+
+def estimate_bytes(original: int, fused: int) -> int:
+    """Peak bytes of one layer's run with ``original`` and ``fused`` bytes of weights.
+
+    The original's weights are held as read and unpacked once by the reference path (4-bit
+    codes become a byte each: 3x); the fused weights as read, in ORT's session and on the
+    adapter (3x); plus :data:`FIXED_BYTES`.
+    """
+    return 3 * original + 3 * fused + FIXED_BYTES
+
+
+def available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _binding_limit() -> int | None:
+    """The WebGPU adapter's largest storage binding in bytes (None: no adapter)."""
+    try:
+        from onnx_moe_fuse.kernels import default_device
+
+        return int(default_device().limits["maxStorageBufferBindingSize"])
+    except Exception:  # no adapter: the checker's own wgpu path says why
+        return None
+
+
+def _too_big_for_adapter(fused: onnx.ModelProto, limit: int | None) -> str | None:
+    if limit is None:
+        return None
+    big = [(t.name, _tensor_bytes(t)) for t in fused.graph.initializer if _tensor_bytes(t) > limit]
+    if not big:
+        return None
+    listed = ", ".join(f"{n} {size_text(b)}" for n, b in big)
+    return (
+        f"the WebGPU adapter binds at most {size_text(limit)} per storage buffer and this "
+        f"layer's {listed} is larger; ORT compares the layer"
+    )
+
+
+def _max_rel(report: Any) -> float:
+    errs = [o.max_rel for p in report.paths.values() for o in p.outputs.values() if o.per_seed]
+    return max(errs) if errs else float("nan")
+
+
+def _reference_outputs(
+    original: onnx.ModelProto, seeds: Sequence[int]
+) -> dict[int, dict[str, np.ndarray]]:
+    """The original region's outputs on each seed's fresh inputs (as :func:`verify` draws them)."""
+    dims = dict(DEFAULT_DIM_VALUES)
+    feed_shapes(original, dims)  # FeedTooLargeError before any work
+    evaluator = reference_evaluator(original, extra_ops=(DequantizeLinear,))
+    names = list(evaluator.output_names)
+    out = {}
+    for seed in seeds:
+        feeds = random_feeds(original, int(seed), dims)
+        out[int(seed)] = dict(zip(names, evaluator.run(names, feeds), strict=True))
+    return out
+
+
+def _peak_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def reference_job(
+    orig_cut: onnx.ModelProto, original_path: Path, seeds: Sequence[int]
+) -> tuple[dict[int, dict[str, np.ndarray]], float]:
+    """A layer's first process: the original region's outputs per seed, and its peak MiB."""
+    select_before_dequantize(orig_cut)
+    orig_full = load_model(orig_cut, base_dir=original_path.parent)
+    return _reference_outputs(orig_full, seeds), _peak_mib()
+
+
+def fused_job(
+    name: str,
+    orig_cut: onnx.ModelProto,
+    fused_cut: onnx.ModelProto,
+    fused_path: Path,
+    seeds: Sequence[int],
+    quantization: QuantizedTolerance | None,
+    limit: int | None,
+    references: dict[int, dict[str, np.ndarray]],
+) -> dict[str, Any]:
+    """A layer's second process: the fused region compared with ``references``; the record."""
+    adapter_note = _too_big_for_adapter(fused_cut, limit)
+    paths = tuple(p for p in PATHS if not (adapter_note and p == "wgpu"))
+    del orig_cut.graph.initializer[:]  # its inputs and outputs are all verify reads now
+    fused_full = load_model(fused_cut, base_dir=fused_path.parent)
+    report = verify(
+        orig_cut,
+        fused_full,
+        seeds=seeds,
+        paths=paths,
+        quantization=quantization,
+        references=references,
+    )
+    record: dict[str, Any] = {
+        "layer": name,
+        "passed": report.passed,
+        "max_rel": _max_rel(report),
+        "peak_rss_mib": _peak_mib(),
+        **report.to_dict(),
+    }
+    if adapter_note:
+        record["paths"]["wgpu"] = {"status": "skipped", "reason": adapter_note}
+    return record
+
+
+def verify_layers(
+    original_path: str | os.PathLike[str],
+    fused_path: str | os.PathLike[str],
+    fusions: Sequence[Mapping[str, Any]],
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    quantization: QuantizedTolerance | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Verify every fusion of ``fusions`` layer by layer; the report's ``verification`` section.
+
+    ``original_path`` and ``fused_path`` are model files (their data beside them). Returns
+    ``{"mode": "per-layer", "passed", "seeds", "estimate_mib", "layers": [...]}``, each layer
+    with its ``seconds``, ``max_rel`` (the worst relative error over paths, outputs and seeds),
+    its paths' results and messages. Raises :class:`VerifyMemoryError` before any work when the
+    largest layer's estimate exceeds the memory available.
+    """
+    original_path, fused_path = Path(original_path), Path(fused_path)
+    original = onnx.load(str(original_path), load_external_data=False)
+    fused = onnx.load(str(fused_path), load_external_data=False)
+    infos = {**value_infos(original), **value_infos(fused)}
+    cuts = [(f, *layer_models(original, fused, f, infos)) for f in fusions]
+    worst = max((estimate_bytes(_weights(o), _weights(z)) for _, o, z in cuts), default=0)
+    available = available_bytes()
+    if available is not None and worst > available:
+        raise VerifyMemoryError(
+            f"per-layer verification of {original_path} needs about {size_text(worst)} for its "
+            f"largest layer but {size_text(available)} of memory is available; free memory or "
+            "fuse without --verify"
+        )
+    limit = _binding_limit()
+    layers: list[dict[str, Any]] = []
+    context = mp.get_context(
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    )
+    if context.get_start_method() == "forkserver":
+        context.set_forkserver_preload(["onnx_moe_fuse.verify.layers"])
+    # fresh processes per layer: all of a layer's memory goes back when it ends (in one
+    # process glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight)
+    with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+        for i, (fusion, orig_cut, fused_cut) in enumerate(cuts):
+            start = time.perf_counter()
+            # the original region alone in one process, the fused one in the next: each
+            # process's memory is one region's
+            refs, ref_peak = pool.submit(
+                reference_job, orig_cut, original_path, tuple(seeds)
+            ).result()
+            job = (fusion["name"], orig_cut, fused_cut, fused_path, tuple(seeds), quantization,
+                   limit, refs)  # fmt: skip
+            record = pool.submit(fused_job, *job).result()
+            record["seconds"] = round(time.perf_counter() - start, 3)
+            record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
+            layers.append(record)
+            if progress is not None:
+                progress(i + 1, len(cuts), record)
+    return {
+        "mode": "per-layer",
+        "passed": bool(layers) and all(r["passed"] for r in layers),
+        "seeds": [int(s) for s in seeds],
+        "estimate_mib": round(worst / 2**20, 1),
+        "layers": layers,
+    }

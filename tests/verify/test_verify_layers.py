@@ -1,0 +1,162 @@
+"""Per-layer verification (fuser/verify/layers.py, regions.py, reference_dq.py).
+
+Each fused layer of a stacked int4 model is cut with its original region and compared on
+fresh inputs: it passes on the fuser's output, fails naming the layer when one fused weight
+byte is changed, refuses before any work when the estimate exceeds the memory available, and
+the command line's --per-layer reaches it. The reference run's rewrite (experts gathered
+before DequantizeLinear) and its blocked DequantizeLinear are checked against onnx's own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from onnx_moe_fuse.cli import EXIT_OK, EXIT_USAGE, main
+from onnx_moe_fuse.samples.stacked import stacked_moe_model
+from onnx_moe_fuse.streaming_io import fuse_file
+from onnx_moe_fuse.verify import layers as layers_mod
+from onnx_moe_fuse.verify.layers import VerifyMemoryError, verify_layers
+from onnx_moe_fuse.verify.reference_dq import DequantizeLinear
+from onnx_moe_fuse.verify.regions import select_before_dequantize
+
+SMALL = {"hidden": 64, "inter": 32, "experts": 4}
+
+
+@pytest.fixture(scope="module")
+def fused_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("layers")
+    src = folder / "m.onnx"
+    onnx.save(stacked_moe_model(2, **SMALL, seed_key="per_layer"), src,
+              save_as_external_data=True, location="m.onnx.data", size_threshold=0)  # fmt: skip
+    out = folder / "f.onnx"
+    result = fuse_file(src, out, jobs=1)
+    assert len(result.report.fusions) == 2
+    return src, out, result.report.fusions
+
+
+def test_every_fused_layer_passes_against_its_region(fused_pair, device):
+    src, out, fusions = fused_pair
+    got = verify_layers(src, out, fusions, seeds=[3, 4])
+    assert got["passed"] and got["mode"] == "per-layer"
+    assert [r["layer"] for r in got["layers"]] == [f["name"] for f in fusions]
+    for record in got["layers"]:
+        assert record["paths"]["ort"]["status"] == "passed"
+        assert record["paths"]["wgpu"]["status"] == "passed"
+        assert 0 < record["max_rel"] < 1e-4 and record["seconds"] > 0
+
+
+def test_a_changed_fused_weight_fails_that_layer_only(fused_pair, tmp_path, device):
+    src, out, fusions = fused_pair
+    bad = tmp_path / "f.onnx"
+    (tmp_path / "f.onnx").write_bytes(out.read_bytes())
+    data = bytearray((out.parent / "f.onnx.data").read_bytes())
+    proto = onnx.load(str(out), load_external_data=False)
+    second = fusions[1]["name"].split("/")[0]
+    tensor = next(t for t in proto.graph.initializer
+                  if t.name.startswith(second) and t.name.endswith("fc2_experts_weights"))  # fmt: skip
+    offset = int(next(e.value for e in tensor.external_data if e.key == "offset"))
+    data[offset : offset + 64] = bytes(b ^ 0x77 for b in data[offset : offset + 64])
+    (tmp_path / "f.onnx.data").write_bytes(bytes(data))
+    got = verify_layers(src, bad, fusions, seeds=[0])
+    assert not got["passed"]
+    assert [r["passed"] for r in got["layers"]] == [True, False]
+
+
+def test_an_estimate_over_the_memory_available_is_refused_first(fused_pair, monkeypatch):
+    src, out, fusions = fused_pair
+    monkeypatch.setattr(layers_mod, "available_bytes", lambda: 1 << 20)
+    ran = []
+    monkeypatch.setattr(layers_mod, "verify", lambda *a, **k: ran.append(1))
+    with pytest.raises(VerifyMemoryError, match=r"needs about .* but 1\.0 MB"):
+        verify_layers(src, out, fusions, seeds=[0])
+    assert not ran
+
+
+def test_the_command_line_verifies_layer_by_layer(fused_pair, tmp_path, capsys, device):
+    src, _, _ = fused_pair
+    out, report = tmp_path / "o.onnx", tmp_path / "r.json"
+    code = main([str(src), "-o", str(out), "--verify", "--per-layer", "--seeds", "1",
+                 "--report", str(report), "--jobs", "2"])  # fmt: skip
+    assert code == EXIT_OK, capsys.readouterr().err
+    verification = json.loads(report.read_text())["verification"]
+    assert verification["passed"] and len(verification["layers"]) == 2
+    assert out.is_file() and "layer" in capsys.readouterr().out
+
+
+def test_the_command_line_refuses_too_large_a_layer_with_exit_2(
+    fused_pair, tmp_path, monkeypatch, capsys, device
+):
+    src, _, _ = fused_pair
+    monkeypatch.setattr(layers_mod, "available_bytes", lambda: 1 << 20)
+    code = main([str(src), "-o", str(tmp_path / "o.onnx"), "--verify", "--per-layer"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert "needs about" in err and not list(tmp_path.iterdir())
+
+
+def test_per_layer_without_verify_is_refused(fused_pair, tmp_path, capsys):
+    src, _, _ = fused_pair
+    assert main([str(src), "-o", str(tmp_path / "o.onnx"), "--per-layer"]) == EXIT_USAGE
+    assert "--per-layer" in capsys.readouterr().err
+
+
+def _gather_dq_model(qtype: int, block: int, zero_point: bool, rng) -> tuple[onnx.ModelProto, dict]:
+    e, k, n = 5, 64, 6
+    signed = qtype in (TensorProto.INT4, TensorProto.INT8)
+    lo, hi = (-8, 8) if qtype in (TensorProto.INT4, TensorProto.UINT4) else (-128, 128)
+    lo, hi = (0, hi - lo) if not signed else (lo, hi)
+    q = rng.integers(lo, hi, (e, k, n))
+    s = rng.standard_normal((e, k // block, n)).astype(np.float32)
+    z = rng.integers(lo, hi, (e, k // block, n))
+    inits = [helper.make_tensor("q", qtype, q.shape, q.reshape(-1).tolist()),
+             helper.make_tensor("s", TensorProto.FLOAT, s.shape, s.reshape(-1).tolist())]  # fmt: skip
+    dq_in = ["q", "s"]
+    if zero_point:
+        inits.append(helper.make_tensor("z", qtype, z.shape, z.reshape(-1).tolist()))
+        dq_in.append("z")
+    nodes = [
+        helper.make_node("DequantizeLinear", dq_in, ["w"], axis=1, block_size=block),
+        helper.make_node("Gather", ["w", "idx"], ["sel"], axis=0),
+        helper.make_node("MatMul", ["x", "sel"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [3, 2]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2, 1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits,
+    )  # fmt: skip
+    feeds = {
+        "idx": rng.integers(0, e, (3, 2)),
+        "x": rng.standard_normal((3, 2, 1, k)).astype(np.float32),
+    }
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)]), feeds
+
+
+@pytest.mark.parametrize(
+    "qtype", [TensorProto.INT4, TensorProto.UINT4, TensorProto.INT8, TensorProto.UINT8]
+)
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_gathering_before_dequantizing_computes_the_same(qtype, zero_point, rng):
+    model, feeds = _gather_dq_model(qtype, 16, zero_point, rng)
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert select_before_dequantize(rewritten) == 1
+    assert [n.op_type for n in rewritten.graph.node].count("DequantizeLinear") == 1
+    assert not any(n.output[0] == "w" for n in rewritten.graph.node)  # the whole stack: gone
+    for ops in ([], [DequantizeLinear]):
+        got = ReferenceEvaluator(rewritten, new_ops=ops).run(None, feeds)[0]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_per_expert_scales_are_left_as_they_are(rng):
+    model, _ = _gather_dq_model(TensorProto.INT8, 16, False, rng)
+    model.graph.node[0].attribute[0].i = 0  # axis 0: one scale per expert, not gathered safely
+    del model.graph.node[0].attribute[1:]
+    assert select_before_dequantize(model) == 0
