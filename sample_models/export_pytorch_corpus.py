@@ -66,23 +66,40 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def export(module: torch.nn.Module, x: torch.Tensor, exporter: str, opset: int, dynamic: bool) -> bytes:
+def export(
+    module: torch.nn.Module, x: torch.Tensor, exporter: str, opset: int, dynamic: bool
+) -> bytes:
     """The ONNX bytes of ``module`` at ``x`` (weights inside), or the exporter's exception."""
     buf = io.BytesIO()
     noise = io.StringIO()
-    with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), warnings.catch_warnings():
+    with (
+        contextlib.redirect_stdout(noise),
+        contextlib.redirect_stderr(noise),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
             axes = {"x": {0: "batch", 1: "sequence"}, "output": {0: "batch", 1: "sequence"}}
             torch.onnx.export(
-                module, (x,), buf, dynamo=False, opset_version=opset, input_names=["x"],
-                output_names=["output"], dynamic_axes=axes if dynamic else None,
+                module,
+                (x,),
+                buf,
+                dynamo=False,
+                opset_version=opset,
+                input_names=["x"],
+                output_names=["output"],
+                dynamic_axes=axes if dynamic else None,
             )
             return buf.getvalue()
         dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")} if dynamic else None
         program = torch.onnx.export(
-            module, (x,), dynamo=True, opset_version=opset, input_names=["x"],
-            output_names=["output"], dynamic_shapes=(dims,) if dynamic else None,
+            module,
+            (x,),
+            dynamo=True,
+            opset_version=opset,
+            input_names=["x"],
+            output_names=["output"],
+            dynamic_shapes=(dims,) if dynamic else None,
         )
         return strip_metadata(program.model_proto).SerializeToString()
 
@@ -171,7 +188,9 @@ def run_layer(name: str) -> tuple[list[dict], list[dict], dict]:
             continue
         err = rel_err(got, ref)
         if not err <= RTOL:
-            failures.append({**where, "error": f"ORT CPU differs from torch on the reference input: {err:.3g}"})
+            failures.append(
+                {**where, "error": f"ORT CPU differs from torch on the reference input: {err:.3g}"}
+            )
             continue
         checks, check_errors = [], []
         for i, shape in enumerate(DYNAMIC_CHECKS if dynamic else STATIC_CHECKS):
@@ -187,42 +206,61 @@ def run_layer(name: str) -> tuple[list[dict], list[dict], dict]:
         model = onnx.load_from_string(blob)
         twin = file_name(name, exporter, 18, dynamic) if opset != 18 else None
         stored = f"{stem}.onnx"
-        if twin and (OUT / f"{twin}.onnx").exists() and restamped(
-            onnx.load(OUT / f"{twin}.onnx"), model.ir_version, opset
-        ).SerializeToString() == model.SerializeToString():
+        if (
+            twin
+            and (OUT / f"{twin}.onnx").exists()
+            and restamped(
+                onnx.load(OUT / f"{twin}.onnx"), model.ir_version, opset
+            ).SerializeToString()
+            == model.SerializeToString()
+        ):
             stored = f"{twin}.onnx"  # the same graph: only the stamps differ (see restamped)
         else:
             (OUT / stored).write_bytes(blob)
-        files.append({
-            "file": f"{stem}.onnx",
-            "stored_as": stored,
-            "ir_version": model.ir_version,
-            **where,
-            "upstream": layer.upstream,
-            "expressible": layer.expressible and faithful,
-            "trap_reason": None if layer.expressible and faithful else (
-                layer.why if not layer.expressible else
-                "the export is specialised to the example input: ORT on other inputs differs "
-                f"from torch (max rel {max(checks):.3g}); the graph is not the layer"),
-            "expected_op": layer.expected if faithful else None,
-            "input_shape": input_dims(model),
-            "reference": f"{name}.npz",
-            "ref_max_rel_err": err,
-            "faithful": faithful,
-            "check_max_rel_err": max(checks),
-            "check_errors": check_errors,
-            "moe_layers": 1,
-            "bytes": len(blob),
-            "nodes": len(model.graph.node),
-        })
+        files.append(
+            {
+                "file": f"{stem}.onnx",
+                "stored_as": stored,
+                "ir_version": model.ir_version,
+                **where,
+                "upstream": layer.upstream,
+                "expressible": layer.expressible and faithful,
+                "trap_reason": None
+                if layer.expressible and faithful
+                else (
+                    layer.why
+                    if not layer.expressible
+                    else "the export is specialised to the example input: ORT on other inputs differs "
+                    f"from torch (max rel {max(checks):.3g}); the graph is not the layer"
+                ),
+                "expected_op": layer.expected if faithful else None,
+                "input_shape": input_dims(model),
+                "reference": f"{name}.npz",
+                "ref_max_rel_err": err,
+                "faithful": faithful,
+                "check_max_rel_err": max(checks),
+                "check_errors": check_errors,
+                "moe_layers": 1,
+                "bytes": len(blob),
+                "nodes": len(model.graph.node),
+            }
+        )
     row_wise = row_independence(module)
     if layer.expressible:  # a fused node computes each token from that token alone
-        assert row_wise <= RTOL, f"{name}: marked expressible, but its tokens interact ({row_wise:.3g})"
+        assert row_wise <= RTOL, (
+            f"{name}: marked expressible, but its tokens interact ({row_wise:.3g})"
+        )
     info = {
-        "layer": name, "upstream": layer.upstream, "follows": layer.follows,
-        "expressible": layer.expressible, "why": layer.why, "k": layer.k,
-        "experts": layer.experts, "adaptations": list(layer.adaptations),
-        "reference": f"{name}.npz", "input_shape": list(REF_SHAPE),
+        "layer": name,
+        "upstream": layer.upstream,
+        "follows": layer.follows,
+        "expressible": layer.expressible,
+        "why": layer.why,
+        "k": layer.k,
+        "experts": layer.experts,
+        "adaptations": list(layer.adaptations),
+        "reference": f"{name}.npz",
+        "input_shape": list(REF_SHAPE),
         "row_wise_max_rel_err": row_wise,
     }
     return files, failures, info
@@ -258,11 +296,18 @@ def main() -> None:
         print(f"{name}: {len(got)} files, {len(failed)} failed", flush=True)
     order = list(LAYERS)
     files.sort(key=lambda f: (order.index(f["layer"]), f["file"]))
-    failures.sort(key=lambda f: (order.index(f["layer"]), f["exporter"], f["opset"], not f["dynamic"]))
+    failures.sort(
+        key=lambda f: (order.index(f["layer"]), f["exporter"], f["opset"], not f["dynamic"])
+    )
     layers.sort(key=lambda entry: order.index(entry["layer"]))
     index = {
-        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__,
-                     "numpy": np.__version__, "python": sys.version.split()[0]},
+        "versions": {
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+            "numpy": np.__version__,
+            "python": sys.version.split()[0],
+        },
         "rtol": RTOL,
         "layers": layers,
         "files": files,

@@ -52,8 +52,10 @@ def table() -> str:
     reasons: Counter[str] = Counter()
     codes: dict[str, int] = {}
     examples: dict[str, list[str]] = {}
-    rows = ["| layer | expressible | " + " | ".join(short(*v) for v in VARIANTS) + " |",
-            "| --- | --- | " + " | ".join("---" for _ in VARIANTS) + " |"]
+    rows = [
+        "| layer | expressible | " + " | ".join(short(*v) for v in VARIANTS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in VARIANTS) + " |",
+    ]
     counts = Counter()
     for entry in index()["layers"]:
         cells = []
@@ -78,25 +80,33 @@ def table() -> str:
         flag = "yes" if entry["expressible"] else "no (trap)"
         rows.append(f"| `{entry['layer']}` | {flag} | " + " | ".join(cells) + " |")
     out = ["\n".join(rows), ""]
-    out.append(f"Expressible files fused as expected: {counts['expressible ok']} / {counts['expressible']}; "
-               f"traps refused with a pointing near miss: {counts['trap ok']} / {counts['trap']} "
-               f"(files: {len(recs)}, exports that failed: {len(index()['failures'])}).")
+    out.append(
+        f"Expressible files fused as expected: {counts['expressible ok']} / {counts['expressible']}; "
+        f"traps refused with a pointing near miss: {counts['trap ok']} / {counts['trap']} "
+        f"(files: {len(recs)}, exports that failed: {len(index()['failures'])})."
+    )
     out.append("")
     for key, code in sorted(codes.items(), key=lambda kv: kv[1]):
         layers = sorted({e.split("__")[0] for e in examples[key]})
-        out.append(f"- **R{code}** ({reasons[key]} files; {', '.join(f'`{n}`' for n in layers)}): "
-                   f"e.g. `{examples[key][0].split(': ')[0]}`: {examples[key][0].split(': ', 1)[1]}")
+        out.append(
+            f"- **R{code}** ({reasons[key]} files; {', '.join(f'`{n}`' for n in layers)}): "
+            f"e.g. `{examples[key][0].split(': ')[0]}`: {examples[key][0].split(': ', 1)[1]}"
+        )
     return "\n".join(out)
 
 
 def layers_table() -> str:
     """What each layer follows (from ``index.json``): upstream file, class, expressible, why."""
-    rows = ["| layer | upstream file | follows | k / E | expressible | why (trap: reason) |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| layer | upstream file | follows | k / E | expressible | why (trap: reason) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for e in index()["layers"]:
         why = e["why"] + ("".join(f" *Adapted:* {a}." for a in e["adaptations"]))
-        rows.append(f"| `{e['layer']}` | {e['upstream']} | {e['follows']} | {e['k']} / {e['experts']} "
-                    f"| {'yes' if e['expressible'] else '**no**'} | {why} |")
+        rows.append(
+            f"| `{e['layer']}` | {e['upstream']} | {e['follows']} | {e['k']} / {e['experts']} "
+            f"| {'yes' if e['expressible'] else '**no**'} | {why} |"
+        )
     return "\n".join(rows)
 
 
@@ -115,8 +125,11 @@ def write_known_unfused() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-known-unfused", action="store_true",
-                        help="rewrite KNOWN_UNFUSED in tests/pipeline/test_pytorch_corpus.py")
+    parser.add_argument(
+        "--write-known-unfused",
+        action="store_true",
+        help="rewrite KNOWN_UNFUSED in tests/pipeline/test_pytorch_corpus.py",
+    )
     parser.add_argument("--layers", action="store_true", help="print the layer table instead")
     args = parser.parse_args()
     if args.layers:

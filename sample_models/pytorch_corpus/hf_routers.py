@@ -168,7 +168,9 @@ class PhimoeSparseMoeBlock(nn.Module):
         b, s, h = hidden_states.shape
         flat = hidden_states.view(-1, h)
         router_logits = self.gate(flat)
-        routing_weights, selected_experts = sparsemixer_eval(router_logits, self.router_jitter_noise)
+        routing_weights, selected_experts = sparsemixer_eval(
+            router_logits, self.router_jitter_noise
+        )
         final = torch.zeros_like(flat)
         expert_mask = F.one_hot(selected_experts, num_classes=E).permute(2, 1, 0)
         for expert_idx in range(E):
@@ -199,7 +201,9 @@ class Llama4TextMoe(nn.Module):
         router_logits = self.router(hidden_states)
         router_top_value, router_indices = torch.topk(router_logits, 1, dim=1)
         router_scores = (
-            torch.full_like(router_logits, float("-inf")).scatter_(1, router_indices, router_top_value).transpose(0, 1)
+            torch.full_like(router_logits, float("-inf"))
+            .scatter_(1, router_indices, router_top_value)
+            .transpose(0, 1)
         )
         router_scores = torch.sigmoid(router_scores.float()).to(hidden_states.dtype)
         routed_in = hidden_states.repeat(E, 1) * router_scores.reshape(-1, 1)
@@ -324,8 +328,10 @@ LAYERS = [
         "argmax top-1 weighted by the max softmax probability: MoE k=1 via the selection "
         "construction (ReLU experts)",
         1,
-        adaptations=("the router's capacity mask (cumsum <= expert_capacity) is left out: "
-                     "capacity >= tokens; the trap twin hf_switch_top1_capacity keeps it",),
+        adaptations=(
+            "the router's capacity mask (cumsum <= expert_capacity) is left out: "
+            "capacity >= tokens; the trap twin hf_switch_top1_capacity keeps it",
+        ),
     ),
     Layer(
         "hf_switch_top1_capacity",

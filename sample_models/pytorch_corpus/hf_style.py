@@ -247,7 +247,9 @@ class GptOssExpertsDense(nn.Module):
         router_logits = self.router(flat)
         router_top_value, router_indices = torch.topk(router_logits, K, dim=-1)
         router_top_value = F.softmax(router_top_value, dim=1, dtype=router_top_value.dtype)
-        routing_weights = torch.zeros_like(router_logits).scatter_(1, router_indices, router_top_value)
+        routing_weights = torch.zeros_like(router_logits).scatter_(
+            1, router_indices, router_top_value
+        )
         h = flat.repeat(E, 1).view(E, -1, H)
         gate_up = torch.bmm(h, self.gate_up_proj) + self.gate_up_proj_bias[..., None, :]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
@@ -257,7 +259,9 @@ class GptOssExpertsDense(nn.Module):
         next_states = torch.bmm(((up + 1) * glu), self.down_proj)
         next_states = next_states + self.down_proj_bias[..., None, :]
         next_states = next_states.view(E, batch_size, -1, H)
-        next_states = next_states * routing_weights.transpose(0, 1).view(E, batch_size, -1)[..., None]
+        next_states = (
+            next_states * routing_weights.transpose(0, 1).view(E, batch_size, -1)[..., None]
+        )
         return next_states.sum(dim=0)
 
 
@@ -302,8 +306,11 @@ LAYERS = [
         True,
         "the Mixtral routing (renormalised top-2): MoE; the dense residual MLP stays",
         K,
-        adaptations=(HIT, "the decoder's norms and attention are left out; the residual MLP "
-                     "reads the same input as the MoE"),
+        adaptations=(
+            HIT,
+            "the decoder's norms and attention are left out; the residual MLP "
+            "reads the same input as the MoE",
+        ),
     ),
     Layer(
         "hf_hunyuan_v1_moe",

@@ -93,7 +93,9 @@ class GptFastMOEFeedForward(nn.Module):
         x = x.view(-1, self.dim)
         scores = self.gate(x)
         expert_weights = F.softmax(scores, dim=-1)
-        expert_weights, expert_indices = torch.topk(expert_weights, self.num_activated_experts, dim=-1)
+        expert_weights, expert_indices = torch.topk(
+            expert_weights, self.num_activated_experts, dim=-1
+        )
         expert_weights /= expert_weights.sum(dim=-1, keepdim=True)
         expert_outs = self.cond_ffn(x, expert_indices)
         return torch.einsum("tai,ta -> ti", expert_outs, expert_weights).view(shape)
@@ -182,7 +184,9 @@ class DeepSeekV3Gate(nn.Module):
         scores = scores.view(x.size(0), self.n_groups, -1)
         group_scores = scores.topk(2, dim=-1)[0].sum(dim=-1)
         indices = group_scores.topk(self.topk_groups, dim=-1)[1]
-        mask = scores.new_ones(x.size(0), self.n_groups, dtype=torch.bool).scatter_(1, indices, False)
+        mask = scores.new_ones(x.size(0), self.n_groups, dtype=torch.bool).scatter_(
+            1, indices, False
+        )
         scores = scores.masked_fill_(mask.unsqueeze(-1), float("-inf")).flatten(1)
         indices = torch.topk(scores, self.topk, dim=-1)[1]
         weights = original_scores.gather(1, indices)
@@ -256,7 +260,9 @@ LAYERS = [
     ),
     Layer(
         "mistral_inference_mixed_activations",
-        lambda: Flat(MistralMoeLayer([ActExpert(a) for a in (F.silu, F.gelu, torch.relu, torch.tanh)])),
+        lambda: Flat(
+            MistralMoeLayer([ActExpert(a) for a in (F.silu, F.gelu, torch.relu, torch.tanh)])
+        ),
         "mistralai/mistral-inference: src/mistral_inference/moe.py",
         "MoeLayer with a heterogeneous experts list (MoeLayer takes any list of modules)",
         False,

@@ -58,8 +58,14 @@ class TokenChoiceMoE(nn.Module):
     inputs), ``scatter_add`` into the shared expert's output.
     """
 
-    def __init__(self, k: int = K, sigmoid: bool = False, scale_before: bool = False,
-                 bias: bool = True, route_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        k: int = K,
+        sigmoid: bool = False,
+        scale_before: bool = False,
+        bias: bool = True,
+        route_scale: float = 1.0,
+    ) -> None:
         super().__init__()
         self.top_k, self.use_sigmoid, self.scale_before = k, sigmoid, scale_before
         self.route_scale = route_scale
@@ -215,10 +221,16 @@ class DeepSpeedMOELayer(nn.Module):
         reshaped_input = hidden_states.reshape(-1, d_model)
         logits = self.wg(reshaped_input.float())
         combine_weights, dispatch_mask = top2gating(logits, self.drop_tokens)
-        dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(reshaped_input), reshaped_input)
+        dispatched_input = torch.einsum(
+            "sec,sm->ecm", dispatch_mask.type_as(reshaped_input), reshaped_input
+        )
         chunks = dispatched_input.chunk(E, dim=0)
-        expert_output = torch.cat([expert(c) for c, expert in zip(chunks, self.experts, strict=True)], dim=0)
-        combined_output = torch.einsum("sec,ecm->sm", combine_weights.type_as(reshaped_input), expert_output)
+        expert_output = torch.cat(
+            [expert(c) for c, expert in zip(chunks, self.experts, strict=True)], dim=0
+        )
+        combined_output = torch.einsum(
+            "sec,ecm->sm", combine_weights.type_as(reshaped_input), expert_output
+        )
         output = combined_output.reshape(hidden_states.shape)
         if self.mlp is None:
             return output
@@ -270,9 +282,11 @@ LAYERS = [
         "Softmax -> TopK -> divide by the L1 norm, tanh-GELU experts: MoE gelu (ORT's gelu is "
         "the tanh form), k=2, normalize 1",
         K,
-        adaptations=("ops.sort/histogram/gather/scatter and gg.ops.gmm (CUDA kernels) written with "
-                     "torch.sort, a one-hot sum, indexing, one matmul per expert, and the rows put "
-                     "back in (token, slot) order and summed over k",),
+        adaptations=(
+            "ops.sort/histogram/gather/scatter and gg.ops.gmm (CUDA kernels) written with "
+            "torch.sort, a one-hot sum, indexing, one matmul per expert, and the rows put "
+            "back in (token, slot) order and summed over k",
+        ),
     ),
     Layer(
         "deepspeed_top2_nodrop",
@@ -283,8 +297,10 @@ LAYERS = [
         "top-2 by argmax rounds, weights renormalised over the two (clamp at eps never binds): "
         "MoE k=2 normalize 1; tanh-GELU experts with biases",
         K,
-        adaptations=("capacity 2*tokens instead of max(exp_counts) (same result, static size)",
-                     "experts: Linear-GELU(tanh)-Linear (Megatron's bias_gelu is the tanh form)"),
+        adaptations=(
+            "capacity 2*tokens instead of max(exp_counts) (same result, static size)",
+            "experts: Linear-GELU(tanh)-Linear (Megatron's bias_gelu is the tanh form)",
+        ),
     ),
     Layer(
         "deepspeed_top2_capacity",

@@ -19,7 +19,9 @@ class MakeMoEExpert(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(H, 4 * H), nn.ReLU(), nn.Linear(4 * H, H), nn.Dropout(0.1))
+        self.net = nn.Sequential(
+            nn.Linear(H, 4 * H), nn.ReLU(), nn.Linear(4 * H, H), nn.Dropout(0.1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -97,7 +99,9 @@ class SharedInsideCombine(nn.Module):
         results = torch.zeros_like(inputs)
         for i, expert in enumerate(self.experts):
             batch_idx, nth = torch.where(selected == i)
-            results[batch_idx] += weights[batch_idx, nth, None] * (expert(inputs[batch_idx]) + shared[batch_idx])
+            results[batch_idx] += weights[batch_idx, nth, None] * (
+                expert(inputs[batch_idx]) + shared[batch_idx]
+            )
         return results.reshape(shape)
 
 
@@ -111,7 +115,10 @@ LAYERS = [
         "TopK(logits) -> Softmax over k (via -inf scatter), ReLU experts with biases: MoE relu, "
         "k=2, normalize 1",
         K,
-        adaptations=("no router noise (randn_like in eval upstream)", "no `if flat_mask.any()` skip"),
+        adaptations=(
+            "no router noise (randn_like in eval upstream)",
+            "no `if flat_mask.any()` skip",
+        ),
     ),
     Layer(
         "makemoe_capacity",
@@ -121,8 +128,11 @@ LAYERS = [
         False,
         "capacity drop: each expert keeps only its first int(T k / E) tokens (nonzero rows cut)",
         K,
-        adaptations=("no router noise", "the `numel() > capacity` branch is the slice itself "
-                     "(slicing past the end keeps all rows)"),
+        adaptations=(
+            "no router noise",
+            "the `numel() > capacity` branch is the slice itself "
+            "(slicing past the end keeps all rows)",
+        ),
     ),
     Layer(
         "shared_inside_combine",

@@ -77,7 +77,8 @@ def shortfall(stem: str) -> str | None:
         if ops != [rec["expected_op"]] * rec.get("moe_layers", 1):
             first = misses[0] if misses else None
             return (f"{first['part']}: {first['reason']}" if first else "no near miss") + (
-                f" (fused {ops})" if ops else "")
+                f" (fused {ops})" if ops else ""
+            )
     else:
         pointed = [m for m in misses if m.get("part") and m.get("node")]
         if not pointed:
