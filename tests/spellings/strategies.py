@@ -51,7 +51,9 @@ from .case import LayerCase, group_options
 #: The spellings issue 18 names that today's fuser does not fuse (or, for mutations, does
 #: not refuse naming the part): measured with scripts/spelling_long_run.py, whose report gives
 #: the near misses. Remove a spelling here as the analysis of meaning lands.
-NOT_YET: dict[str, frozenset] = {
+#: The spellings issue 18 added (row layouts, hand-written activations, scatter combines, k = 1
+#: squeezed, bias ranks) and its mutations.
+MEANING_AXES: dict[str, frozenset] = {
     "experts": frozenset({"rows_tile", "rows_range", "rows_concat", "top1_squeezed"}),
     "activation": frozenset({"silu_exp", "swiglu_exp", "gelu_tanh_hand"}),
     "combine": frozenset({"scatter_elements", "scatter_nd"}),
@@ -61,6 +63,12 @@ NOT_YET: dict[str, frozenset] = {
     # silu_off 54 of 59, scatter_other_token 0 of 90, its near miss "not recognised")
     "mutation": frozenset({"silu_off", "scatter_other_token"}),
 }
+
+#: Those of them the CI properties leave out: all of them, as measured when they were added.
+#: Many fuse now through the analysis of meaning (the hand-written layers and
+#: tests/rewrites/canonical/experts/test_meaning.py), but not yet in every combination the
+#: properties draw (a bias rank at k = 1, float16 twins): narrowing this is the next long run.
+NOT_YET: dict[str, frozenset] = dict(MEANING_AXES)
 
 # Spellings that fuse on the current tree (measured with scripts/spelling_long_run.py; the
 # report of that run gives the reasons the others are refused).

@@ -30,7 +30,7 @@ from onnx_moe_fuse import fuse
 
 from .build import build_case
 from .outcomes import fused_nodes, node_attributes, relative_error, session, token_shape
-from .strategies import LayerCase, expected, supported_cases, supported_mutants
+from .strategies import MEANING_AXES, LayerCase, expected, supported_cases, supported_mutants
 
 CI = settings.get_profile("spellings-ci")
 HALF_TOLERANCE = 1e-2
@@ -51,12 +51,24 @@ def _retype():
     return module.retype_floats
 
 
+def _half_runnable(case: LayerCase) -> bool:
+    """A case whose float16 twin is expected to fuse: none of issue 18's spellings.
+
+    Those fuse through the analysis of meaning, which does not read a half-precision export's
+    Casts yet (float16 twins of them are left unfused, with a near miss); besides, ORT CPU has
+    no float16 ScatterElements/ScatterND add for the scatter combines' reference run, and a
+    written-out exp overflows float16 where the fused op's does not.
+    """
+    values = case.axis_values()
+    return not any(values.get(axis) in spellings for axis, spellings in MEANING_AXES.items())
+
+
 def _twin(case: LayerCase, elem: int) -> onnx.ModelProto:
     return _retype()(build_case(case).model, onnx.TensorProto.FLOAT, elem)
 
 
 @settings(CI, max_examples=40)
-@given(supported_cases())
+@given(supported_cases().filter(_half_runnable))
 def test_float16_twin_fuses_and_matches_the_original(case: LayerCase) -> None:
     want = expected(case)
     model = _twin(case, FLOAT16)
@@ -77,7 +89,7 @@ def test_float16_twin_fuses_and_matches_the_original(case: LayerCase) -> None:
 
 
 @settings(CI, max_examples=15)
-@given(supported_cases())
+@given(supported_cases().filter(_half_runnable))
 def test_bfloat16_twin_fuses_for_cuda_only(case: LayerCase) -> None:
     # Switch's ArgMax becomes a TopK, which takes bfloat16 only from opset 24 (the spelling
     # pass leaves a bfloat16 ArgMax before it as it is: such a layer stays unfused)
