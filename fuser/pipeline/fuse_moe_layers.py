@@ -26,7 +26,9 @@ from onnx_moe_fuse.pipeline.near_misses import (
     UNRECOGNISED,
     NearMissTracer,
     dense_near_miss,
+    departs_before,
     meaning_near_miss,
+    pointing_record,
     unrecognised,
 )
 from onnx_moe_fuse.pipeline.quantized_layers import (
@@ -39,7 +41,7 @@ from onnx_moe_fuse.pipeline.splice import origin_tail, splice_fused_node, tag_or
 from onnx_moe_fuse.pipeline.split_rows_diagnosis import SPLIT_UNPROVED, split_rows_diagnosis
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import CanonicalMeaningPass
 from onnx_moe_fuse.rewrites.canonical.weights.fold_weight_layout import FoldWeightLayoutPass
-from onnx_moe_fuse.rewrites.graph.refusals import MEANING, NearMiss, Refusal, recorded
+from onnx_moe_fuse.rewrites.graph.refusals import NearMiss, Refusal
 from onnx_moe_fuse.rewrites.graph.selection_rounds import same_topk, selection_round
 from onnx_moe_fuse.rewrites.graph.weight_sink import WeightSink
 from onnx_moe_fuse.rewrites.moe.layer_rules import (
@@ -56,18 +58,6 @@ from onnx_moe_fuse.rewrites.moe.rule_base import (
     ROUTING_KEY,
     TOPK_KEY,
 )
-
-#: The parts in the order the layer computes them.
-_LAYER_ORDER = ("tokens", "fc1", "activation", "fc2", "combine")
-
-
-def _departs_before(departs: Refusal, refusal: Refusal) -> bool:
-    """The meaning departs at a part before the one the rule failed at (its failure follows)."""
-    if refusal.part is None:
-        return True
-    if departs.part not in _LAYER_ORDER or refusal.part not in _LAYER_ORDER:
-        return False
-    return _LAYER_ORDER.index(departs.part) < _LAYER_ORDER.index(refusal.part)
 
 
 class LayerObserver(Protocol):
@@ -409,8 +399,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
-            departs = _meaning_record(refusals, a.topk) if a.topk is not None else None
-            if departs is not None and _departs_before(departs, a.refusal):
+            departs = pointing_record(refusals, a.topk) if a.topk is not None else None
+            if departs is not None and departs_before(departs, a.refusal):
                 # the rule failed at a part after the one where the analysis of meaning saw the
                 # layer stop being the op's: that node is named instead (once per TopK)
                 if ("meaning", id(a.topk)) not in seen:
@@ -428,7 +418,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 continue
             reason, dense = unrecognised(node, refusals)
             part = None
-            departs = _meaning_record(refusals, node)
+            departs = pointing_record(refusals, node)
             if (
                 departs is not None
                 and reason is None
@@ -474,17 +464,6 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                         values=(),
                     )
                 )
-
-
-def _meaning_record(refusals: list[Refusal], topk: ir.Node) -> Refusal | None:
-    """The record that points at the node for ``topk``: a layer-form pass's, else the meaning pass's.
-
-    A loop, dense or sorted pass that recognised the layer and left it knows the precise fact
-    (weights that are graph inputs, a sort not undone): its record stays the reason (None when
-    it names no part, the meaning pass's points instead).
-    """
-    named = [r for r in refusals if r.topk is topk and r.stage != MEANING and r.part is not None]
-    return named[0] if named else recorded(refusals, MEANING, topk)
 
 
 def shared_tensor_names(graph: ir.Graph) -> list[tuple[Any, str | None]]:

@@ -333,3 +333,27 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
     if uses & {"Gather", "GroupedMatMul", "GatherND", "GatherElements"}:
         return GENERIC_UNRECOGNISED, False
     return None, True
+
+
+#: The parts in the order the layer computes them.
+_LAYER_ORDER = ("tokens", "fc1", "activation", "fc2", "combine")
+
+
+def departs_before(departs: Refusal, refusal: Refusal) -> bool:
+    """The meaning departs at a part before the one the rule failed at (its failure follows)."""
+    if refusal.part is None:
+        return True
+    if departs.part not in _LAYER_ORDER or refusal.part not in _LAYER_ORDER:
+        return False
+    return _LAYER_ORDER.index(departs.part) < _LAYER_ORDER.index(refusal.part)
+
+
+def pointing_record(refusals: list[Refusal], topk: ir.Node) -> Refusal | None:
+    """The record that points at the node for ``topk``: a layer-form pass's, else the meaning pass's.
+
+    A loop, dense or sorted pass that recognised the layer and left it knows the precise fact
+    (weights that are graph inputs, a sort not undone): its record stays the reason (None when
+    it names no part, the meaning pass's points instead).
+    """
+    named = [r for r in refusals if r.topk is topk and r.stage != MEANING and r.part is not None]
+    return named[0] if named else recorded(refusals, MEANING, topk)
