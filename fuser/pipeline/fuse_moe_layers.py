@@ -426,16 +426,24 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 and departs.part != "tokens"
             ):
                 reason = UNRECOGNISED + "the indices of this TopK reach expert work"
-            if departs is not None and dense is None and reason and reason.startswith(UNRECOGNISED):
+            behind = None
+            if dense is None and reason == GENERIC_UNRECOGNISED:
+                if diagnosis is None:
+                    diagnosis = split_rows_diagnosis(work, self.emit, refusals)
+                behind = diagnosis.get(node.outputs[0].name or "")
+            if (
+                departs is not None
+                and behind is None
+                and dense is None
+                and reason
+                and reason.startswith(UNRECOGNISED)
+            ):
                 # the analysis of meaning names the node where the layer stops being the op's
                 self.report.add_near_miss(meaning_near_miss(node, departs, reason))
                 continue
             if dense is not None:
                 reason = dense.reason  # the pass recognised the layer: its refusal names the part
             elif reason == GENERIC_UNRECOGNISED:
-                if diagnosis is None:
-                    diagnosis = split_rows_diagnosis(work, self.emit, refusals)
-                behind = diagnosis.get(node.outputs[0].name or "")
                 if behind is not None:  # the split was not proved: the rules say what else
                     part = behind.part or "combine"
                     reason = f"{SPLIT_UNPROVED}; with the split moved out, {behind.message}"
