@@ -23,11 +23,10 @@ import math
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import numpy_helper
+from meaning_refs import consts, ort_run, rel_err
 
 from onnx_moe_fuse import fuse
 from onnx_moe_fuse.samples.handwritten import (
@@ -78,13 +77,6 @@ def _outcome_params() -> list[object]:
 # -- running ---------------------------------------------------------------------------------------
 
 
-def ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)[0]
-
-
 def random_input(model: onnx.ModelProto, rng: np.random.Generator, tokens: int = 7):
     """The one graph input, random N(0, 1); a dim_param takes ``DIMS`` or ``tokens``."""
     (inp,) = model.graph.input
@@ -93,20 +85,6 @@ def random_input(model: onnx.ModelProto, rng: np.random.Generator, tokens: int =
         for d in inp.type.tensor_type.shape.dim
     ]
     return inp.name, rng.standard_normal(dims).astype(np.float32)
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
-
-
-def consts(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Every initializer and Constant-node value of ``model`` by name."""
-    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            out[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    return out
 
 
 # -- numpy building blocks ----------------------------------------------------------------------
