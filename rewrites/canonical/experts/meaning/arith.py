@@ -399,7 +399,11 @@ def matmul(node: ir.Node, a: Meaning | None, b: Meaning | None, k_slots: int) ->
     w, y, w_first = (a, b, True) if isinstance(ta, Weights) else (b, a, False)
     if isinstance(w.term, Weights) and isinstance(y.term, Proj) and y.term.stage == 2:
         left, right = (w, y) if w_first else (y, w)
-        if _single(left.axes[-1], "a combine").var != "j" or right.axes[-2] != left.axes[-1]:
+        # at k = 1 the one slot is no index: the contracted axes are both of size 1
+        unit_slot = k_slots == 1 and left.axes[-1] == () == right.axes[-2]
+        if not unit_slot and (
+            _single(left.axes[-1], "a combine").var != "j" or right.axes[-2] != left.axes[-1]
+        ):
             raise Departure("a MatMul of the weights and FC2 that does not sum over the slots")
         batch = broadcast_axes(left.axes[:-2], right.axes[:-2])
         axes = normalise((*batch, left.axes[-2], right.axes[-1]))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import Interpretation
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import TOKEN_LAYOUTS, Interpretation
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Act,
@@ -211,7 +211,7 @@ def _output_layout(found: Interpretation, axes) -> ir.Value | None:  # noqa: ANN
     names = [[f.var for f in a] for a in axes]
     if len(names) == 2 and names[0] == ["t"] and len(names[1]) == 1:
         return None
-    if len(names) == 3 and names[:2] == [["t.hi"], ["t.lo"]] and len(names[2]) == 1:
+    if len(names) == 3 and names[:2] in TOKEN_LAYOUTS[1:] and len(names[2]) == 1:
         for v in found.token_values:
             mv = found.meaning(v)
             if mv is not None and [[f.var for f in a] for a in mv.axes][:2] == names[:2]:

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure, broadcast_axes
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import Meaning, RowIndex
+import numpy as np
+
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
+    Departure,
+    broadcast_axes,
+    normalise,
+)
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import Factor, Meaning, RowIndex
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import small_const
 from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.facts import attr_int
 
-__all__ = ["cast_index", "index_arithmetic"]
+__all__ = ["cast_index", "constant_rows", "index_arithmetic"]
 
 
 def cast_index(node: ir.Node, m: Meaning, k: int) -> Meaning:
@@ -106,3 +112,30 @@ def index_arithmetic(node: ir.Node, ins: list[Meaning | None], k: int) -> Meanin
     if node.op_type in ("Div", "Mod") and c > 0:
         return _floor_div(node, m, c, k, keep_high=node.op_type == "Div")
     raise Departure(f"{node.op_type} of a row index")
+
+
+def constant_rows(c: np.ndarray | None, tokens: Dim, k: int) -> Meaning | None:
+    """A constant integer vector that is a row index of ``T`` or ``T*k`` rows, or None.
+
+    With a static token count, constant folding turns the row index an exporter computes
+    (``Range(T*k) // k``, ``Range(T*k) % T``, ``Range(T)``) into a constant: read it back by
+    its values, element for element, not by the ops that made it.
+    """
+    if c is None or c.dtype.kind not in "iu" or c.ndim != 1 or tokens.syms or k < 1:
+        return None
+    n_tokens = tokens.coef
+    t, j = Factor("t", tokens), Factor("j", Dim.of(k))
+    row = np.arange(c.size)
+    candidates = []
+    if c.size == n_tokens:
+        candidates.append((row, (t,), (("t", 1),)))
+    if c.size == n_tokens * k:
+        candidates += [
+            (row // k, (t, j), (("t", 1),)),  # each token repeated k times in a row
+            (row % n_tokens, (j, t), (("t", 1),)),  # the k copies of all tokens, one after another
+            (row, (t, j), (("t", k), ("j", 1))),  # the flat (token, slot) row number
+        ]
+    for values, axis, coefs in candidates:
+        if np.array_equal(c, values):
+            return Meaning(normalise(((*axis,),)), RowIndex(coefs if k > 1 else (("t", 1),)))
+    return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import index_arith
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,
@@ -47,6 +48,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Param,
     RowIndex,
     SlotSum,
+    Tokens,
     Weighted,
     Weights,
     WeightSource,
@@ -202,6 +204,8 @@ def gather(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: Cont
     """``Gather(data, indices, axis)``."""
     if data is None:
         data = expert_stack(node.inputs[0], ctx.experts) or _accumulator(ctx, node.inputs[0])
+    if index is None and data is not None and isinstance(data.term, Tokens):
+        index = index_arith.constant_rows(small_const(node.inputs[1]), ctx.tokens, ctx.k)
     if index is None:
         return _constant_pick(node, data)
     if data is None:
@@ -401,6 +405,8 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
         raise Departure(f"a {node.op_type} into other than zeros or the experts' accumulated sum")
     if updates is None:
         raise Departure(f"a {node.op_type} of an undescribed value")
+    if index is None:
+        index = _constant_scatter_index(node, ctx)
     rows = _scatter_rows(node, index, updates)
     total = data.term
     width = axis_size(updates.axes[-1])
@@ -473,6 +479,23 @@ def _unsort(
     t, j = Factor("t", ctx.tokens), Factor("j", Dim.of(ctx.k))
     lead = normalise(((t, j),))
     return Meaning((*lead, *updates.axes[1:]), updates.term)
+
+
+def _constant_scatter_index(node: ir.Node, ctx: Context) -> Meaning | None:
+    """A constant scatter index (a static token count folded) read as each row's token.
+
+    ScatterND's ``[R, 1]`` tuples, or ScatterElements' ``[R, W]`` index whose columns are all
+    the same row index (one token per row, every column of it).
+    """
+    c = small_const(node.inputs[1]) if len(node.inputs) > 1 else None
+    if c is None or c.ndim != 2 or c.shape[1] < 1 or c.dtype.kind not in "iu":
+        return None
+    if node.op_type == "ScatterND" and c.shape[1] != 1:
+        return None
+    if not (c == c[:, :1]).all():
+        return None
+    rows = index_arith.constant_rows(c[:, 0], ctx.tokens, ctx.k)
+    return None if rows is None else Meaning((*rows.axes, ()), rows.term)
 
 
 def _scatter_rows(node: ir.Node, index: Meaning | None, updates: Meaning) -> list[str]:

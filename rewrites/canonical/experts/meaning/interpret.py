@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
+    index_arith,
     indexing,
     layout,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import ONE, Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     ExpertSum,
     Factor,
@@ -47,7 +48,14 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
 from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.facts import label
 
-__all__ = ["DepartureAt", "Interpretation", "interpret_layer", "router_rows"]
+__all__ = [
+    "TOKEN_LAYOUTS",
+    "DepartureAt",
+    "Interpretation",
+    "interpret_layer",
+    "router_rows",
+    "twins",
+]
 
 #: What the layer needs next after a value of each progress (the near miss's "expected").
 EXPECTED = {
@@ -59,6 +67,9 @@ EXPECTED = {
     5: "the weighted outputs summed over the slots j per token",
     6: "the rest of the slots added",
 }
+
+#: The token axes a layer's output may have: ``[T]``, or ``[B, S]`` (a unit B or S is no index).
+TOKEN_LAYOUTS = ([["t"]], [["t.hi"], ["t.lo"]], [["t"], []], [[], ["t"]])
 
 _ROUTER_WRAPPERS = ("Softmax", "Sigmoid", "Cast", "Identity", "Add", "Mul", "Div", "LogSoftmax")
 _TOKEN_LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
@@ -190,10 +201,47 @@ def _seed_tokens(result: Interpretation, rows: ir.Value, tokens: Dim) -> list[ir
         sdims = value_dims(source)
         if sdims is not None and len(sdims) == 3 and sdims[2] == dims[1]:
             if sdims[0] * sdims[1] == tokens:
-                hi, lo = Factor("t.hi", sdims[0]), Factor("t.lo", sdims[1])
-                _seed(result, source, Meaning(((hi,), (lo,), (h,)), Tokens()))
+                _seed(result, source, Meaning((*_split_tokens(sdims, tokens), (h,)), Tokens()))
                 seeded.append(source)
     return seeded
+
+
+def twins(topk: ir.Node) -> list[ir.Node]:
+    """Other TopKs of the same scores with the same k and attributes: the same outputs.
+
+    A Switch-style router takes the expert from an ArgMax and its weight from a ReduceMax of
+    the same probabilities, which the spelling pass writes as two TopK(1): one op on one input,
+    so element for element the same ids and values.
+    """
+    scores = topk.inputs[0]
+    k = small_const(topk.inputs[1]) if len(topk.inputs) > 1 else None
+    if scores is None or k is None:
+        return []
+    attrs = {name: a.value for name, a in topk.attributes.items()}
+    twins = []
+    for user, _ in scores.uses():
+        if user is topk or user.op_type != "TopK" or user.domain not in ("", "ai.onnx"):
+            continue
+        if len(user.inputs) < 2 or user.inputs[0] is not scores or len(user.outputs) < 2:
+            continue
+        other_k = small_const(user.inputs[1])
+        user_attrs = {name: a.value for name, a in user.attributes.items()}
+        if other_k is not None and other_k.tolist() == k.tolist() and user_attrs == attrs:
+            twins.append(user)
+    return twins
+
+
+def _split_tokens(sdims: list[Dim], tokens: Dim) -> tuple[tuple[Factor, ...], ...]:
+    """The ``[B, S]`` axes of ``T = B * S`` tokens: ``t.hi, t.lo``, or ``t`` beside a unit axis.
+
+    A unit batch (or sequence) is no index at all, so the other axis is ``t`` itself: a
+    Reshape to ``[T, H]`` then reads ``t``, not a lone half that never merges back.
+    """
+    if sdims[1] == ONE:
+        return ((Factor("t", tokens),), ())
+    if sdims[0] == ONE:
+        return ((), (Factor("t", tokens),))
+    return ((Factor("t.hi", sdims[0]),), (Factor("t.lo", sdims[1]),))
 
 
 def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Interpretation:
@@ -214,6 +262,11 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     result.token_values = _seed_tokens(result, rows, tokens)
     for v in (ids, values, *result.token_values):
         walk.push_users(v)
+    for twin in twins(topk):  # the same selection computed twice (ArgMax and ReduceMax)
+        _seed(result, twin.outputs[1], Meaning(tj, Ids()))
+        _seed(result, twin.outputs[0], Meaning(tj, Weights(twin.outputs[0])))
+        walk.push_users(twin.outputs[0])
+        walk.push_users(twin.outputs[1])
     ctx = Context(tokens, k, experts)
     ranges = _Ranges(ctx)
     router = _router_nodes(topk, rows)  # the router itself is no departure from the layer
@@ -244,7 +297,7 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
             if m is None:
                 continue
             _seed(result, out, m)
-            if _complete(m.term, k, experts) and _token_layout(m):
+            if _complete(m.term, k, experts) and _token_layout(m, result):
                 result.output = out
                 return result
             if furthest is None or m.term.progress > furthest[0]:
@@ -304,13 +357,17 @@ def _unfinished(
     return DepartureAt(node, why, progress, (f"'{value.name}' = {m.text()}",))
 
 
-def _token_layout(m: Meaning) -> bool:
-    """Laid out ``[tokens, features]`` (the layer output's layouts)."""
+def _token_layout(m: Meaning, result: Interpretation) -> bool:
+    """Laid out ``[tokens, features]``: ``[T, O]``, or ``[B, S, O]`` as the model's tokens are."""
     names = [[f.var for f in a] for a in m.axes]
-    return (
-        len(names[-1:]) == 1
-        and len(names[-1]) == 1
-        and names[:-1] in ([["t"]], [["t.hi"], ["t.lo"]])
+    if len(names[-1:]) != 1 or len(names[-1]) != 1:
+        return False
+    if names[:-1] in (TOKEN_LAYOUTS[0], TOKEN_LAYOUTS[1]):
+        return True
+    # a unit batch or sequence axis only where the model's own tokens have it
+    return names[:-1] in TOKEN_LAYOUTS and any(
+        (mv := result.meaning(v)) is not None and [[f.var for f in a] for a in mv.axes][:2] == names[:2]
+        for v in result.token_values
     )
 
 
@@ -344,6 +401,8 @@ class _Ranges:
             elif node.op_type in _INDEX_OPS:
                 ins = [None if v is None or is_const(v) else self.describe(v, depth + 1)
                        for v in node.inputs]  # fmt: skip
+                if ins and ins[0] is None and node.op_type in _LAYOUT_OPS:
+                    ins[0] = self.constant(node.inputs[0])
                 if ins and ins[0] is not None:
                     try:
                         outs = transfer(node, ins, self.ctx)
@@ -353,10 +412,24 @@ class _Ranges:
         self.memo[id(value)] = out
         return out
 
+    def constant(self, value: ir.Value | None) -> Meaning | None:
+        """A constant row index (``[R]`` or ``[R, 1]``), as constant folding leaves one."""
+        c = small_const(value) if value is not None and is_const(value) else None
+        if c is None or c.ndim not in (1, 2) or (c.ndim == 2 and c.shape[1] != 1):
+            return None
+        rows = index_arith.constant_rows(c.reshape(-1), self.tokens, self.k)
+        if rows is None or c.ndim == 1:
+            return rows
+        return Meaning((*rows.axes, ()), rows.term)
+
 
 #: Index element types (None: a model without value_info, typed by the ops that read it).
 _INT_TYPES = (ir.DataType.INT64, ir.DataType.INT32, None)
 
+
+#: The index ops that move a (constant) row index without computing on it.
+_LAYOUT_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Flatten", "Transpose",
+               "Identity")  # fmt: skip
 
 _INDEX_OPS = ("Div", "Mod", "Mul", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Cast",
               "Flatten", "Transpose", "Identity")  # fmt: skip

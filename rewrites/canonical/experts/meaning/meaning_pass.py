@@ -25,6 +25,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import (
     DepartureAt,
     Interpretation,
     interpret_layer,
+    twins,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import value_dims
@@ -107,7 +108,10 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
         ]
         modified = False
         order: dict[int, int] = {}
+        done: set[int] = set()  # rewritten TopKs and their twins (the same selection)
         for topk in topks:
+            if id(topk) in done:
+                continue
             if not order:  # graph positions, again after each rewrite (it adds nodes)
                 order = {id(n): i for i, n in enumerate(graph)}
             try:
@@ -122,6 +126,7 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
                 continue
             write_per_slot(graph, found, outcome)  # type: ignore[arg-type]
             self.rewritten.append(topk)
+            done.update(id(t) for t in (topk, *twins(topk)))
             modified = True
             order = {}
         if modified:
