@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning import dense, index_arith, sorted_rows
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,
     broadcast_axes,
@@ -116,8 +117,9 @@ def _const_fits(shape: tuple[int, ...], feature: Dim) -> bool:
     return all(d == 1 for d in lead) and (last == 1 or Dim.of(last) == feature)
 
 
-def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
+def elementwise(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     """An elementwise node's output meaning (inputs: meanings, None for constants/others)."""
+    k = ctx.k
     described = [m for m in ins if m is not None]
     terms = [m.term for m in described]
     op = node.op_type
@@ -133,7 +135,7 @@ def elementwise(node: ir.Node, ins: list[Meaning | None], k: int) -> Meaning:
     if op == "Cast" and _int_like(terms):
         return index_arith.cast_index(node, described[0], k)
     if all(_routing(t) for t in terms):
-        return routing_value(node, described, k)
+        return routing_value(node, described, ctx)
     if any(isinstance(t, Ids) for t in terms):
         raise Departure(f"{op} of the expert indices (they may only select experts)")
     if all(isinstance(t, RowIndex) for t in terms):
@@ -158,7 +160,7 @@ def _int_like(terms: list[Term]) -> bool:
     )
 
 
-def routing_value(node: ir.Node, described: list[Meaning], k: int) -> Meaning:
+def routing_value(node: ir.Node, described: list[Meaning], ctx: Context) -> Meaning:
     """A routing value: ``[T, k]`` weights where the broadcast layout is ``[t, j]``."""
     out = node.outputs[0]
     try:
@@ -167,7 +169,7 @@ def routing_value(node: ir.Node, described: list[Meaning], k: int) -> Meaning:
             axes = broadcast_axes(axes, m.axes)
     except Departure:
         return Meaning(described[0].axes, Routing())
-    if [[f.var for f in a] for a in axes] == ([["t"], ["j"]] if k > 1 else [["t"], []]):
+    if [[f.var for f in a] for a in axes] == ctx.names(("t",), ("j",)):
         return Meaning(axes, Weights(out))
     return Meaning(axes, Routing())
 

@@ -22,3 +22,12 @@ class Context:
     k: int
     experts: int
     zeros: dict[int, Meaning] = field(default_factory=dict)
+
+    def names(self, *axes: tuple[str, ...]) -> list[list[str]]:
+        """The index names of a layout of ``t`` and ``j`` axes as the analysis writes it.
+
+        A static token count of 1 (or k = 1) makes ``t`` (or ``j``) a unit factor, which no
+        layout keeps: ``[t, j]`` at T = 1 is ``[[], ["j"]]``.
+        """
+        unit = {"t": self.tokens == Dim.of(1), "j": self.k == 1}
+        return [[v for v in axis if not unit.get(v, False)] for axis in axes]

@@ -32,7 +32,8 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Tokens,
     Weighted,
 )
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, small_const
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, small_const, value_dims
+from onnx_moe_fuse.rewrites.graph.dims import Dim
 
 __all__ = ["LayerParts", "Projection", "layer_parts", "stack_shape"]
 
@@ -209,7 +210,8 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
 def _output_layout(found: Interpretation, axes) -> ir.Value | None:  # noqa: ANN001
     """None for ``[t, o]``; the ``[B, S, H]`` tokens for ``[t.hi, t.lo, o]``."""
     names = [[f.var for f in a] for a in axes]
-    if len(names) == 2 and names[0] == ["t"] and len(names[1]) == 1:
+    one_token = found.tokens is not None and (value_dims(found.tokens) or [None])[0] == Dim.of(1)
+    if len(names) == 2 and names[0] == ([] if one_token else ["t"]) and len(names[1]) == 1:
         return None
     if len(names) == 3 and names[:2] in TOKEN_LAYOUTS[1:] and len(names[2]) == 1:
         for v in found.token_values:

@@ -295,7 +295,7 @@ def gather_elements(node: ir.Node, index: Meaning | None, ctx: Context) -> Meani
     axis = attr_int(node, "axis", 0)
     if dims is None or len(dims) != 2 or axis not in (1, -1) or dims[1] != Dim.of(ctx.experts):
         raise Departure("a GatherElements of the ids from other than [T, E] router values")
-    if [[f.var for f in a] for a in index.axes] != ([["t"], ["j"]] if ctx.k > 1 else [["t"], []]):
+    if [[f.var for f in a] for a in index.axes] != ctx.names(("t",), ("j",)):
         raise Departure("a GatherElements at ids laid out other than [t, j]")
     return Meaning(index.axes, Weights(node.outputs[0]))
 
@@ -419,8 +419,8 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if not filtered:  # every (token, slot) row at once: the per-slot combine
         if not isinstance(term, Weighted) or total.branches:
             raise Departure(f"a {node.op_type} of {term.text()} (expected the weighted outputs)")
-        every = sorted(rows) == ["j", "t"] or rows == [SORTED]
-        if not every and not (ctx.k == 1 and rows == ["t"]):
+        every = sorted(rows) == sorted(ctx.names(("t", "j"))[0]) or rows == [SORTED]
+        if not every:
             raise Departure(f"a {node.op_type} of rows over {sorted(rows)}, not every (t, j)")
         if reduction != "add" and not (reduction == "none" and ctx.k == 1):
             raise Departure(

@@ -364,6 +364,9 @@ def _token_layout(m: Meaning, result: Interpretation) -> bool:
         return False
     if names[:-1] in (TOKEN_LAYOUTS[0], TOKEN_LAYOUTS[1]):
         return True
+    if result.tokens is not None and value_dims(result.tokens) is not None:
+        if value_dims(result.tokens)[0] == ONE and names[:-1] == [[]]:
+            return True  # one token (static): its index is no factor
     # a unit batch or sequence axis only where the model's own tokens have it
     return names[:-1] in TOKEN_LAYOUTS and any(
         (mv := result.meaning(v)) is not None and [[f.var for f in a] for a in mv.axes][:2] == names[:2]

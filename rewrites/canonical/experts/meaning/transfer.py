@@ -59,7 +59,7 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     described = [m for m in ins if m is not None]
     if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
         if described and all(isinstance(m.term, Weights | Routing) for m in described):
-            return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
+            return [arith.routing_value(node, described, ctx)] + [None] * (len(node.outputs) - 1)
     if first is not None and isinstance(first.term, Counts) and op in ("Slice", "Gather"):
         return [_pick_counts(node, first)]
     if op == "Split" and first is not None and len(ins) > 1 and ins[1] is not None:
@@ -77,7 +77,7 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op in arith.ELEMENTWISE:
         if all(m is None for m in ins):
             raise Departure(f"a {op} of values this analysis does not describe")
-        return [arith.elementwise(node, ins, ctx.k)] + [None] * (len(node.outputs) - 1)
+        return [arith.elementwise(node, ins, ctx)] + [None] * (len(node.outputs) - 1)
     if op == "MatMul":
         return [arith.matmul(node, first, _weight_operand(ins, node, ctx), ctx.k)]
     if op == "GroupedMatMul":
@@ -110,7 +110,7 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         )
         return [weights if weights is not None else indexing.scatter(node, ins, ctx)]
     if described and all(isinstance(m.term, Weights | Routing) for m in described):
-        return [arith.routing_value(node, described, ctx.k)] + [None] * (len(node.outputs) - 1)
+        return [arith.routing_value(node, described, ctx)] + [None] * (len(node.outputs) - 1)
     what = ", ".join(m.term.text() for m in described) or "its inputs"
     raise Departure(f"{_article(op)} {op} of {what} (an op this analysis does not describe)")
 
