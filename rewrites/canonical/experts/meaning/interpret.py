@@ -26,6 +26,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.router_path import router_path
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     ExpertSum,
     Factor,
@@ -39,7 +40,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.transfer import transfer
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
-    const_shape,
     is_const,
     small_const,
     value_dims,
@@ -60,7 +60,6 @@ EXPECTED = {
     6: "the rest of the slots added",
 }
 
-_ROUTER_WRAPPERS = ("Softmax", "Sigmoid", "Cast", "Identity", "Add", "Mul", "Div", "LogSoftmax")
 _TOKEN_LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 
 
@@ -117,43 +116,14 @@ class Interpretation:
 
 def router_rows(topk: ir.Node) -> ir.Value | None:
     """The token rows the router projects: ``MatMul(rows, W)`` / ``Gemm`` behind the scores."""
-    v = topk.inputs[0] if topk.inputs else None
-    for _ in range(8):
-        node = v.producer() if v is not None else None
-        if node is None:
-            return None
-        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) >= 2:
-            weight = node.inputs[1]
-            shape = const_shape(weight)
-            while shape is None and weight is not None and weight.producer() is not None:
-                p = weight.producer()
-                if p.op_type not in ("Transpose", "Cast", "Identity", "DequantizeLinear"):
-                    break
-                weight = p.inputs[0]
-                shape = const_shape(weight)
-            return node.inputs[0] if shape is not None and len(shape) == 2 else None
-        if node.op_type not in _ROUTER_WRAPPERS:
-            return None
-        described = [i for i in node.inputs if i is not None and not is_const(i)]
-        if len(described) != 1:
-            return None
-        v = described[0]
-    return None
+    found = router_path(topk)
+    return found[0] if found is not None else None
 
 
-def _router_nodes(topk: ir.Node, rows: ir.Value) -> set[int]:
-    """The nodes from the router rows to the TopK's scores (the projection and its wrappers)."""
-    out: set[int] = set()
-    v = topk.inputs[0] if topk.inputs else None
-    for _ in range(8):
-        node = v.producer() if v is not None else None
-        if node is None:
-            break
-        out.add(id(node))
-        if rows in node.inputs:
-            break
-        v = next((i for i in node.inputs if i is not None and not is_const(i)), None)
-    return out
+def _router_nodes(topk: ir.Node) -> set[int]:
+    """The nodes from the router rows to the TopK's scores (the projection, maps and masks)."""
+    found = router_path(topk)
+    return {id(n) for n in found[1]} if found is not None else set()
 
 
 class _Walk:
@@ -216,7 +186,7 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
         walk.push_users(v)
     ctx = Context(tokens, k, experts)
     ranges = _Ranges(ctx)
-    router = _router_nodes(topk, rows)  # the router itself is no departure from the layer
+    router = _router_nodes(topk)  # the router itself is no departure from the layer
     departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from
     furthest: tuple[int, ir.Value] | None = None  # the value furthest along the layer
     while walk.heap:
