@@ -26,6 +26,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.rounds import round_weights
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.router_path import router_path
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     ExpertSum,
@@ -51,6 +52,10 @@ __all__ = ["DepartureAt", "Interpretation", "interpret_layer", "router_rows"]
 
 #: What the layer needs next after a value of each progress (the near miss's "expected").
 EXPECTED = {
+    -1: (
+        "a top-k selection: round j the top-1 of the router logits with the experts of rounds "
+        "0..j-1 scattered to -inf (column j of TopK(logits, k))"
+    ),
     0: "the tokens gathered per slot, projected by each slot's expert (FC1)",
     1: "the tokens projected by the expert weights gathered at the ids (FC1)",
     2: "an elementwise activation of FC1's outputs, then FC2 by the same ids",
@@ -180,9 +185,12 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     tj = layout.normalise(((Factor("t", tokens),), (Factor("j", Dim.of(k)),)))
     _seed(result, ids, Meaning(tj, Ids()))
     _seed(result, values, Meaning(tj, Weights(values)))
+    rounds = round_weights(topk, k)  # a selection in top-1 rounds: its weights, per slot
+    for w in rounds:
+        _seed(result, w, Meaning(tj, Weights(w)))
     walk = _Walk(topk, order)
     result.token_values = _seed_tokens(result, rows, tokens)
-    for v in (ids, values, *result.token_values):
+    for v in (ids, values, *rounds, *result.token_values):
         walk.push_users(v)
     ctx = Context(tokens, k, experts)
     ranges = _Ranges(ctx)
