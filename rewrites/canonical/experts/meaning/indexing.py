@@ -356,6 +356,12 @@ def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
     if mask is None or not isinstance(mask.term, Mask) or mask.term.expert is None:
         raise Departure("a NonZero of other than one expert's mask")
     names = [[f.var for f in a] for a in mask.axes]
+    if names == [["t", "j"]]:  # the (token, slot) rows flattened: repeat_interleave'd tokens
+        raise Departure(
+            f"a NonZero of expert {mask.term.expert}'s mask over the flat (token, slot) rows "
+            f"{mask.layout()} (rows indexed t*k + j, then a boolean index_put of each expert's "
+            "outputs at its rows: not read by this analysis yet)"
+        )
     if sorted(names) != [["j"], ["t"]]:
         raise Departure(f"a NonZero of an expert's mask laid out {mask.layout()}")
     e = mask.term.expert

@@ -131,6 +131,14 @@ def _router_nodes(topk: ir.Node) -> set[int]:
     return {id(n) for n in found[1]} if found is not None else set()
 
 
+def _router_values(topk: ir.Node) -> frozenset[int]:
+    """The values the router computes from its projection to the TopK's scores."""
+    found = router_path(topk)
+    return (
+        frozenset(id(o) for n in found[1] for o in n.outputs) if found is not None else frozenset()
+    )
+
+
 class _Walk:
     """The forward walk of :func:`interpret_layer`."""
 
@@ -192,9 +200,9 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     result.token_values = _seed_tokens(result, rows, tokens)
     for v in (ids, values, *rounds, *result.token_values):
         walk.push_users(v)
-    ctx = Context(tokens, k, experts)
-    ranges = _Ranges(ctx)
     router = _router_nodes(topk)  # the router itself is no departure from the layer
+    ctx = Context(tokens, k, experts, router=_router_values(topk))
+    ranges = _Ranges(ctx)
     departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from
     furthest: tuple[int, ir.Value] | None = None  # the value furthest along the layer
     while walk.heap:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import value_dims
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import Mask, Meaning, Routing
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import is_const, value_dims
 from onnx_moe_fuse.rewrites.graph.facts import attr_int
 from onnx_moe_fuse.rewrites.graph.selection_rounds import selection_round
 
-__all__ = ["round_weights"]
+__all__ = ["dispatch_locations", "masked_router", "round_departure", "round_weights"]
 
 _STD = ("", "ai.onnx")
 
@@ -132,3 +135,35 @@ def _masked_by_next_round(topk: ir.Node) -> bool:
                    if u.op_type == "TopK" and len(u.outputs) > 1):  # fmt: skip
                 return True
     return False
+
+
+def masked_router(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning | None:
+    """``Where(mask of the chosen experts, fill, router logits)``: the next round's scores.
+
+    DeepSpeed's top-2 gate masks the first round's expert (``masked_fill(mask1, -inf)``) in the
+    router's own logits before its second argmax: a value of the routing alone, not expert work.
+    None where the data operands are not constants or the router's values.
+    """
+    cond = ins[0] if ins else None
+    if cond is None or not isinstance(cond.term, Mask) or len(node.inputs) != 3:
+        return None
+    for v, m in zip(node.inputs[1:], ins[1:], strict=True):
+        if m is not None or v is None or not (is_const(v) or id(v) in ctx.router):
+            return None
+    return Meaning(cond.axes, Routing())
+
+
+def dispatch_locations(node: ir.Node, mask: Meaning) -> Departure:
+    """Why a ``CumSum`` of the experts' one-hot mask is where the analysis stops.
+
+    DeepSpeed's (and Switch's capacity) gates number each token's place in its expert's buffer
+    by a cumulative sum of the mask over the tokens, then dispatch the tokens into ``[E, C, H]``
+    capacity slots (a one-hot of the locations, an einsum). That is the layer only if every
+    location is proved below the capacity C and distinct per expert; this analysis does not
+    prove it, so the dispatch is named, with what it computes.
+    """
+    return Departure(
+        f"a CumSum of the mask idx[t, j] == e laid out {mask.layout()}: each token's location "
+        "in its expert's capacity buffer (a capacity dispatch; it is the layer only where every "
+        "location is proved distinct and below the capacity, which this analysis does not prove)"
+    )
