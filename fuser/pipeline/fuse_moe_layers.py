@@ -50,7 +50,7 @@ from onnx_moe_fuse.rewrites.moe.layer_rules import (
     moe_layer_rule_set,
 )
 from onnx_moe_fuse.rewrites.moe.quantize import Quantization
-from onnx_moe_fuse.rewrites.moe.routers import classify_router
+from onnx_moe_fuse.rewrites.moe.routers import SELECTED, classify_router
 from onnx_moe_fuse.rewrites.moe.rule_base import (
     CAST_KEY,
     LAYER_OUT_KEY,
@@ -431,12 +431,18 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
                 if diagnosis is None:
                     diagnosis = split_rows_diagnosis(work, self.emit, refusals)
                 behind = diagnosis.get(node.outputs[0].name or "")
+            # a router the fused node takes as its selection (grouped, biased, scaled): where
+            # the analysis read past it into the experts, the expert-side node is named
+            selectable = bool(reason) and reason.startswith("router not fus") and SELECTED in reason
             if (
                 departs is not None
                 and behind is None
                 and dense is None
                 and reason
-                and reason.startswith(UNRECOGNISED)
+                and (
+                    reason.startswith(UNRECOGNISED)
+                    or (selectable and departs.part not in (None, "tokens", "routing"))
+                )
             ):
                 # the analysis of meaning names the node where the layer stops being the op's
                 self.report.add_near_miss(meaning_near_miss(node, departs, reason))

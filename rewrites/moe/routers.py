@@ -43,7 +43,14 @@ from onnx_moe_fuse.rewrites.moe.router_walks import (
     trace_weights,
 )
 
-__all__ = ["FUSABLE_KINDS", "KINDS", "RouterForm", "classify_router", "router_near_miss"]
+__all__ = [
+    "FUSABLE_KINDS",
+    "SELECTED",
+    "KINDS",
+    "RouterForm",
+    "classify_router",
+    "router_near_miss",
+]
 
 #: The router forms MoE / QMoE compute (softmax over all experts, top-k, optional renormalising).
 FUSABLE_KINDS = frozenset({"softmax_topk", "softmax_topk_renorm", "topk_softmax"})
@@ -116,6 +123,9 @@ _SELECTED = (
     "TopK: its weights do not multiply the outputs of experts chosen by its indices (they scale "
     "the expert input, or the experts are in a form the analysis of meaning does not read)"
 )
+#: (public: the pipeline names the analysis of meaning's node where a router of these kinds is
+#: read past, into the experts)
+SELECTED = _SELECTED
 _WHY = {
     "sigmoid_topk": _SELECTED,
     "topk_sigmoid": _SELECTED,

@@ -16,12 +16,16 @@ class Context:
 
     ``zeros``: the empty accumulator each zeros value of the graph stands for (one object per
     value, so a scatter into it and a gather from it are known to read the same accumulator).
+    ``router``: the router's values, which a mask of the chosen experts may overwrite (argmax
+    rounds) without the result becoming expert work.
     """
 
     tokens: Dim
     k: int
     experts: int
     zeros: dict[int, Meaning] = field(default_factory=dict)
+    #: the values between the router projection and the TopK (``id``s): the router's own
+    router: frozenset[int] = frozenset()
 
     def names(self, *axes: tuple[str, ...]) -> list[list[str]]:
         """The index names of a layout of ``t`` and ``j`` axes as the analysis writes it.

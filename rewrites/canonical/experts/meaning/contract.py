@@ -32,7 +32,11 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Tokens,
     Weighted,
 )
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, small_const, value_dims
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
+    const_shape,
+    small_const,
+    value_dims,
+)
 from onnx_moe_fuse.rewrites.graph.dims import Dim
 
 __all__ = ["LayerParts", "Projection", "layer_parts", "stack_shape"]

@@ -8,9 +8,8 @@ integers), is the floor division.
 
 from __future__ import annotations
 
-import onnx_ir as ir
-
 import numpy as np
+import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import (
     Departure,

@@ -200,10 +200,22 @@ def zeros_dims(value: ir.Value) -> list[Dim] | None:
     return value_dims(value)
 
 
+def _constant_data(value: ir.Value, index: Meaning | None, ctx: Context) -> Meaning | None:
+    """A gathered constant: an expert stack, or zeros ``[T, O]`` as the empty accumulator.
+
+    Read at the ids it is an expert stack; read at token rows (a row index, index tuples) the
+    zeros accumulator comes first, so that ``[T, O]`` zeros with ``T == E`` (a static export's
+    ``zeros_like(x)``) are not taken for an expert stack.
+    """
+    if index is not None and isinstance(index.term, RowIndex | Coords):
+        return _accumulator(ctx, value) or expert_stack(value, ctx.experts)
+    return expert_stack(value, ctx.experts) or _accumulator(ctx, value)
+
+
 def gather(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: Context) -> Meaning:
     """``Gather(data, indices, axis)``."""
     if data is None:
-        data = expert_stack(node.inputs[0], ctx.experts) or _accumulator(ctx, node.inputs[0])
+        data = _constant_data(node.inputs[0], index, ctx)
     if index is None and data is not None and isinstance(data.term, Tokens):
         index = index_arith.constant_rows(small_const(node.inputs[1]), ctx.tokens, ctx.k)
     if index is None:
@@ -264,7 +276,7 @@ def gather_nd(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: C
     if attr_int(node, "batch_dims", 0) != 0 or index is None or not index.axes:
         raise Departure("a GatherND with batch dims, or at an undescribed index")
     if data is None:
-        data = expert_stack(node.inputs[0], ctx.experts) or _accumulator(ctx, node.inputs[0])
+        data = _constant_data(node.inputs[0], index, ctx)
     if data is None:
         raise Departure("a GatherND of values this analysis does not describe")
     term = index.term
@@ -348,6 +360,12 @@ def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
     if mask is None or not isinstance(mask.term, Mask) or mask.term.expert is None:
         raise Departure("a NonZero of other than one expert's mask")
     names = [[f.var for f in a] for a in mask.axes]
+    if names == [["t", "j"]]:  # the (token, slot) rows flattened: repeat_interleave'd tokens
+        raise Departure(
+            f"a NonZero of expert {mask.term.expert}'s mask over the flat (token, slot) rows "
+            f"{mask.layout()} (rows indexed t*k + j, then a boolean index_put of each expert's "
+            "outputs at its rows: not read by this analysis yet)"
+        )
     if sorted(names) != [["j"], ["t"]]:
         raise Departure(f"a NonZero of an expert's mask laid out {mask.layout()}")
     e = mask.term.expert

@@ -27,6 +27,8 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import ONE, Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.rounds import round_weights
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.router_path import router_path
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     ExpertSum,
     Factor,
@@ -40,7 +42,6 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.transfer import transfer
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
-    const_shape,
     is_const,
     small_const,
     value_dims,
@@ -59,6 +60,10 @@ __all__ = [
 
 #: What the layer needs next after a value of each progress (the near miss's "expected").
 EXPECTED = {
+    -1: (
+        "a top-k selection: round j the top-1 of the router logits with the experts of rounds "
+        "0..j-1 scattered to -inf (column j of TopK(logits, k))"
+    ),
     0: "the tokens gathered per slot, projected by each slot's expert (FC1)",
     1: "the tokens projected by the expert weights gathered at the ids (FC1)",
     2: "an elementwise activation of FC1's outputs, then FC2 by the same ids",
@@ -71,7 +76,6 @@ EXPECTED = {
 #: The token axes a layer's output may have: ``[T]``, or ``[B, S]`` (a unit B or S is no index).
 TOKEN_LAYOUTS = ([["t"]], [["t.hi"], ["t.lo"]], [["t"], []], [[], ["t"]])
 
-_ROUTER_WRAPPERS = ("Softmax", "Sigmoid", "Cast", "Identity", "Add", "Mul", "Div", "LogSoftmax")
 _TOKEN_LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 
 
@@ -128,43 +132,22 @@ class Interpretation:
 
 def router_rows(topk: ir.Node) -> ir.Value | None:
     """The token rows the router projects: ``MatMul(rows, W)`` / ``Gemm`` behind the scores."""
-    v = topk.inputs[0] if topk.inputs else None
-    for _ in range(8):
-        node = v.producer() if v is not None else None
-        if node is None:
-            return None
-        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) >= 2:
-            weight = node.inputs[1]
-            shape = const_shape(weight)
-            while shape is None and weight is not None and weight.producer() is not None:
-                p = weight.producer()
-                if p.op_type not in ("Transpose", "Cast", "Identity", "DequantizeLinear"):
-                    break
-                weight = p.inputs[0]
-                shape = const_shape(weight)
-            return node.inputs[0] if shape is not None and len(shape) == 2 else None
-        if node.op_type not in _ROUTER_WRAPPERS:
-            return None
-        described = [i for i in node.inputs if i is not None and not is_const(i)]
-        if len(described) != 1:
-            return None
-        v = described[0]
-    return None
+    found = router_path(topk)
+    return found[0] if found is not None else None
 
 
-def _router_nodes(topk: ir.Node, rows: ir.Value) -> set[int]:
-    """The nodes from the router rows to the TopK's scores (the projection and its wrappers)."""
-    out: set[int] = set()
-    v = topk.inputs[0] if topk.inputs else None
-    for _ in range(8):
-        node = v.producer() if v is not None else None
-        if node is None:
-            break
-        out.add(id(node))
-        if rows in node.inputs:
-            break
-        v = next((i for i in node.inputs if i is not None and not is_const(i)), None)
-    return out
+def _router_nodes(topk: ir.Node) -> set[int]:
+    """The nodes from the router rows to the TopK's scores (the projection, maps and masks)."""
+    found = router_path(topk)
+    return {id(n) for n in found[1]} if found is not None else set()
+
+
+def _router_values(topk: ir.Node) -> frozenset[int]:
+    """The values the router computes from its projection to the TopK's scores."""
+    found = router_path(topk)
+    return (
+        frozenset(id(o) for n in found[1] for o in n.outputs) if found is not None else frozenset()
+    )
 
 
 class _Walk:
@@ -258,18 +241,21 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     tj = layout.normalise(((Factor("t", tokens),), (Factor("j", Dim.of(k)),)))
     _seed(result, ids, Meaning(tj, Ids()))
     _seed(result, values, Meaning(tj, Weights(values)))
+    rounds = round_weights(topk, k)  # a selection in top-1 rounds: its weights, per slot
+    for w in rounds:
+        _seed(result, w, Meaning(tj, Weights(w)))
     walk = _Walk(topk, order)
     result.token_values = _seed_tokens(result, rows, tokens)
-    for v in (ids, values, *result.token_values):
+    for v in (ids, values, *rounds, *result.token_values):
         walk.push_users(v)
     for twin in twins(topk):  # the same selection computed twice (ArgMax and ReduceMax)
         _seed(result, twin.outputs[1], Meaning(tj, Ids()))
         _seed(result, twin.outputs[0], Meaning(tj, Weights(twin.outputs[0])))
         walk.push_users(twin.outputs[0])
         walk.push_users(twin.outputs[1])
-    ctx = Context(tokens, k, experts)
+    router = _router_nodes(topk)  # the router itself is no departure from the layer
+    ctx = Context(tokens, k, experts, router=_router_values(topk))
     ranges = _Ranges(ctx)
-    router = _router_nodes(topk, rows)  # the router itself is no departure from the layer
     departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from
     furthest: tuple[int, ir.Value] | None = None  # the value furthest along the layer
     while walk.heap:
@@ -369,7 +355,8 @@ def _token_layout(m: Meaning, result: Interpretation) -> bool:
             return True  # one token (static): its index is no factor
     # a unit batch or sequence axis only where the model's own tokens have it
     return names[:-1] in TOKEN_LAYOUTS and any(
-        (mv := result.meaning(v)) is not None and [[f.var for f in a] for a in mv.axes][:2] == names[:2]
+        (mv := result.meaning(v)) is not None
+        and [[f.var for f in a] for a in mv.axes][:2] == names[:2]
         for v in result.token_values
     )
 

@@ -28,6 +28,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import (
     twins,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.rounds import round_departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import value_dims
 from onnx_moe_fuse.rewrites.graph.refusals import MEANING, Refusal
 
@@ -37,6 +38,7 @@ GROUPED_MATMUL_OPSET = 29
 
 #: The layer part a departure at each progress is in.
 _PARTS = {
+    -1: "routing",
     0: "tokens",
     1: "fc1",
     2: "activation",
@@ -66,6 +68,19 @@ def analyse_topk(topk: ir.Node, order: dict[int, int]) -> tuple[Interpretation |
     experts = _experts(topk)
     if experts is None or len(topk.outputs) < 2:
         return None, None
+    in_rounds = round_departure(topk)
+    if in_rounds is not None:  # a top-1 round of a selection: the router, not the layer
+        concat, parts, ok = in_rounds
+        what = (
+            f"a Concat of top-1 rounds' indices ({parts})"
+            if concat is not topk
+            else f"{parts}, one top-1 round of a selection in rounds"
+        )
+        why = what + (
+            "; the layer is analysed at the TopK of all rounds" if ok
+            else "; these are not the columns of one top-k"
+        )  # fmt: skip
+        return Interpretation(topk, None, 1, experts), DepartureAt(concat, why, -1, ())
     found = interpret_layer(topk, order, experts)
     if found.tokens is None:
         why = "a selection whose scores are not a router projection of token rows"

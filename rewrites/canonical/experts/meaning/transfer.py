@@ -15,6 +15,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     dense,
     indexing,
     layout,
+    rounds,
     sorted_rows,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
@@ -24,6 +25,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Coords,
     Counts,
     Factor,
+    Mask,
     Meaning,
     Proj,
     Routing,
@@ -74,6 +76,10 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         return [arith.feature_select(node, first, out) for out in node.outputs]
     if op == "Equal":
         return [indexing.equal(node, ins, ctx)]
+    if op == "CumSum" and first is not None and isinstance(first.term, Mask):
+        raise rounds.dispatch_locations(node, first)
+    if op == "Where" and (masked := rounds.masked_router(node, ins, ctx)) is not None:
+        return [masked]
     if op in arith.ELEMENTWISE:
         if all(m is None for m in ins):
             raise Departure(f"a {op} of values this analysis does not describe")
