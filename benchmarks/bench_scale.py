@@ -19,6 +19,10 @@ the issue's Done-when checks, and writes ``bench_scale.json`` and ``bench_scale.
 
     .venv/bin/python benchmarks/bench_scale.py [--layers 8 48] [--repeat 3] [--jobs N]
         [--folder /tmp/bench_scale] [--out benchmarks/results] [--skip verify,onnx] [--clean]
+        [--cold]
+
+``--cold`` evicts the model's files from the page cache before every run (:func:`evict`), so
+each tool reads its input from disk, as on a first run of a large model.
 """
 
 from __future__ import annotations
@@ -111,9 +115,28 @@ def _available_bytes() -> int:
     return 0
 
 
-def _runs(name: str, argv: list[str], outputs: list[Path], repeat: int, folder: Path) -> dict:
+def evict(*paths: Path) -> None:
+    """Drop ``paths`` from the page cache (``--cold``): each run then reads its input from disk.
+
+    ``posix_fadvise(DONTNEED)`` on the files alone: other jobs' cached files stay cached.
+    """
+    for p in paths:
+        if p.is_file() and hasattr(os, "posix_fadvise"):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _runs(
+    name: str, argv: list[str], outputs: list[Path], repeat: int, folder: Path,
+    cold: list[Path] | None = None,
+) -> dict:  # fmt: skip
     walls, peaks, codes, cpus = [], [], [], []
     for r in range(repeat):
+        if cold:
+            evict(*cold)
         wall, peak, code, cpu = measure(argv, folder / f"{name}.log")
         _remove(*outputs)
         walls.append(wall), peaks.append(peak), codes.append(code), cpus.append(cpu)
@@ -141,10 +164,11 @@ def bench(layers: int, args: argparse.Namespace, layer: Path) -> dict:
     if args.jobs:
         cli += ["--jobs", str(args.jobs)]
     result: dict = {"layers": layers, "data_bytes": size}
-    result["fuse"] = _runs("fuse", cli, outs, args.repeat, folder)
+    cold = [model, data] if args.cold else None
+    result["fuse"] = _runs("fuse", cli, outs, args.repeat, folder, cold)
     if "verify" not in args.skip:
         verify = [*cli, "--verify", "--report", str(folder / "report.json")]
-        result["fuse+verify"] = _runs("fuse+verify", verify, [], 1, folder)
+        result["fuse+verify"] = _runs("fuse+verify", verify, [], 1, folder, cold)
         report = folder / "report.json"
         if report.is_file():
             result["verification"] = json.loads(report.read_text()).get("verification")
@@ -154,13 +178,13 @@ def bench(layers: int, args: argparse.Namespace, layer: Path) -> dict:
     if "onnx" not in args.skip and 2.2 * size < _available_bytes():
         result["onnx load+save"] = _runs(
             "onnx load+save", [sys.executable, "-c", _ONNX, str(model), *copy], copies,
-            args.repeat, folder,
+            args.repeat, folder, cold,
         )  # fmt: skip
     elif "onnx" not in args.skip:
         result["onnx load+save"] = {"skipped": f"needs ~{2 * size / 2**30:.0f} GiB of memory"}
     result["onnx-ir load+save"] = _runs(
         "onnx-ir load+save", [sys.executable, "-c", _IR, str(model), *copy], copies,
-        args.repeat, folder,
+        args.repeat, folder, cold,
     )  # fmt: skip
     if args.clean:
         _remove(model, data)
@@ -252,6 +276,9 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--skip", default="", help="comma-separated: verify, onnx")
     parser.add_argument("--clean", action="store_true", help="remove the models at the end")
+    parser.add_argument(
+        "--cold", action="store_true", help="evict the model from the page cache before each run"
+    )
     args = parser.parse_args()
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     folder = Path(args.folder)

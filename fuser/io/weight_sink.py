@@ -25,6 +25,7 @@ spilled initializers read the scratch file.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import multiprocessing as mp
 import os
@@ -40,7 +41,14 @@ from onnx_moe_fuse.errors import OutputWriteError
 from onnx_moe_fuse.io.output_paths import one_line, size_text
 from onnx_moe_fuse.rewrites.graph.weight_sink import StreamedArray, WeightSink, in_memory
 
-__all__ = ["ScratchFileSink", "WeightSink", "default_jobs", "in_memory", "write_deferred"]
+__all__ = [
+    "ScratchFileSink",
+    "WeightSink",
+    "default_jobs",
+    "in_memory",
+    "reuse_freed_memory",
+    "write_deferred",
+]
 
 #: Tensor offsets in the scratch file are multiples of this (a memory map then reads aligned data).
 ALIGNMENT = 64
@@ -87,6 +95,30 @@ def write_deferred(path: str, offset: int, array: StreamedArray) -> tuple[int, s
     return None
 
 
+#: glibc's ``mallopt`` parameters (malloc.h) and what :func:`reuse_freed_memory` sets them to.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 64 << 20
+
+
+def reuse_freed_memory() -> None:
+    """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse (a no-op elsewhere).
+
+    Why: repacking allocates and frees a few MiB per expert (the bytes read, the bit
+    operations' words, the assembled rows). By default glibc maps blocks over its adaptive
+    threshold afresh and trims the heap after frees, so each expert's buffers were page-faulted
+    and zeroed again: 420 thousand page faults and half the wall time on 8 Qwen3-size layers
+    (16-21 s -> 9-11 s with this, the peak unchanged). Blocks over 32 MiB are still mapped and
+    returned at once, and at most 64 MiB of free heap is kept.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its own allocator's policy
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+
+
 #: Below this many reserved bytes :meth:`ScratchFileSink.finish` writes in this process: starting
 #: a worker costs about a second (its imports), more than repacking a small model takes.
 PARALLEL_MIN_BYTES = 64 << 20
@@ -120,6 +152,7 @@ class ScratchFileSink:
     ) -> None:
         """Create the (empty) scratch file in ``folder``, which must exist and be writable."""
         self.folder = Path(folder).resolve()
+        reuse_freed_memory()  # this process writes streamed arrays expert by expert too
         fd, path = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".weights", dir=self.folder)
         self.path = Path(path)
         self._fd: int | None = fd
@@ -194,7 +227,9 @@ class ScratchFileSink:
         context = mp.get_context(
             "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         )
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            max_workers=workers, mp_context=context, initializer=reuse_freed_memory
+        ) as pool:
             futures = [
                 (pool.submit(write_deferred, str(self.path), offset, array), name, array.nbytes)
                 for offset, array, name in pending

@@ -8,6 +8,8 @@ stored layouts, for every bit width and sign, with odd sizes where the layout al
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from onnx_moe_fuse.contract.packing import pack_qmoe
 from onnx_moe_fuse.io.weight_sink import ScratchFileSink
 from onnx_moe_fuse.rewrites.graph.weight_sink import in_memory, materialise
+from onnx_moe_fuse.rewrites.moe import repack
 from onnx_moe_fuse.rewrites.moe.repack import (
     Part,
     RepackedCodes,
@@ -52,21 +55,35 @@ def _external(tmp_path, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.
     )
 
 
-@settings(max_examples=25, deadline=None)
+def _columns(rng, kind: str, n: int, parts: int) -> np.ndarray:
+    """The fused rows' sources: in order, shuffled, SwiGLU-interleaved, or a selection."""
+    total = n * parts
+    if kind == "shuffle":
+        return rng.permutation(total)
+    if kind == "interleave":  # row 2j from the first part, 2j + 1 from the second
+        return np.arange(total).reshape(parts, n).T.reshape(-1)
+    if kind == "select":
+        return rng.integers(0, total, max(1, total - 1))
+    return np.arange(total)
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     bits=st.sampled_from([4, 8]),
     signed=st.booleans(),
     layout=st.sampled_from(["kn", "nk"]),
     e=st.integers(1, 3),
-    half_k=st.integers(1, 5),
-    n=st.integers(1, 7),
+    half_k=st.sampled_from([1, 2, 3, 5, 12]),
+    n=st.sampled_from([1, 2, 3, 5, 7, 16, 24, 40]),
     parts=st.integers(1, 2),
-    shuffle=st.booleans(),
+    kind=st.sampled_from(["order", "shuffle", "interleave", "select"]),
+    tile=st.sampled_from([16, repack._TILE_BYTES]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_streamed_codes_equal_the_whole_array_pack(
-    tmp_path_factory, bits, signed, layout, e, half_k, n, parts, shuffle, seed
+    tmp_path_factory, bits, signed, layout, e, half_k, n, parts, kind, tile, seed
 ):
+    """Every word width of the bit operations, tiles of 8 rows or one, rows in any order."""
     rng = np.random.default_rng(seed)
     k = 2 * half_k  # QMoE packs pairs along K
     lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
@@ -82,7 +99,7 @@ def test_streamed_codes_equal_the_whole_array_pack(
     ]
     kmajor = [s if layout == "kn" else s.transpose(0, 2, 1) for s in stored]
     codes = np.concatenate(kmajor, axis=2).astype(np.int16) + (1 << (bits - 1) if signed else 0)
-    cols = rng.permutation(n * parts) if shuffle else np.arange(n * parts)
+    cols = _columns(rng, kind, n, parts)
     want = pack_qmoe(
         np.ascontiguousarray(codes[:, :, cols].transpose(0, 2, 1)).astype(np.uint8), bits
     )
@@ -97,35 +114,45 @@ def test_streamed_codes_equal_the_whole_array_pack(
             pieces.append(Part(src, layout, k, n))
         streamed = RepackedCodes(tuple(pieces), bits, signed, row_order(cols, n * parts))
         assert streamed.shape == want.shape and streamed.nbytes == want.nbytes
-        np.testing.assert_array_equal(materialise(streamed), want)
+        with mock.patch.object(repack, "_TILE_BYTES", tile):
+            np.testing.assert_array_equal(materialise(streamed), want)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     layout=st.sampled_from(["kn", "nk"]),
     per_channel=st.booleans(),
     dtype=st.sampled_from([np.float32, np.float16]),
+    n=st.sampled_from([1, 5, 16]),
+    parts=st.integers(1, 2),
+    kind=st.sampled_from(["order", "shuffle", "interleave", "select"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_streamed_scales_equal_the_transposed_scales(
-    tmp_path_factory, layout, per_channel, dtype, seed
+    tmp_path_factory, layout, per_channel, dtype, n, parts, kind, seed
 ):
     rng = np.random.default_rng(seed)
-    e, blocks, n = 3, 1 if per_channel else 4, 5
-    kmajor = rng.standard_normal((e, blocks, n)).astype(dtype)
-    stored = kmajor if layout == "kn" else np.ascontiguousarray(kmajor.transpose(0, 2, 1))
+    e, blocks = 3, 1 if per_channel else 4
     tmp = tmp_path_factory.mktemp("scales")
-    path = tmp / "s.bin"
-    path.write_bytes(stored.tobytes())
-    tensor = ir.ExternalTensor(
-        path.name, 0, stored.nbytes, ir.DataType.from_numpy(stored.dtype),
-        shape=ir.Shape(stored.shape), name="s", base_dir=str(tmp),
-    )  # fmt: skip
-    src = source_of(tensor)
-    assert src is not None
-    cols = rng.permutation(n)
-    streamed = RepackedScales((Part(src, layout, blocks, n),), np.dtype(dtype), per_channel, cols)
-    want = kmajor.transpose(0, 2, 1)[:, cols]
+    kmajor, pieces = [], []
+    for i in range(parts):
+        part = rng.standard_normal((e, blocks, n)).astype(dtype)
+        stored = part if layout == "kn" else np.ascontiguousarray(part.transpose(0, 2, 1))
+        path = tmp / f"s{i}.bin"
+        path.write_bytes(stored.tobytes())
+        tensor = ir.ExternalTensor(
+            path.name, 0, stored.nbytes, ir.DataType.from_numpy(stored.dtype),
+            shape=ir.Shape(stored.shape), name=f"s{i}", base_dir=str(tmp),
+        )  # fmt: skip
+        src = source_of(tensor)
+        assert src is not None
+        kmajor.append(part)
+        pieces.append(Part(src, layout, blocks, n))
+    cols = _columns(rng, kind, n, parts)
+    streamed = RepackedScales(
+        tuple(pieces), np.dtype(dtype), per_channel, row_order(cols, n * parts)
+    )
+    want = np.concatenate(kmajor, axis=2).transpose(0, 2, 1)[:, cols]
     want = want[:, :, 0] if per_channel else want
     np.testing.assert_array_equal(materialise(streamed), want)
 
