@@ -349,8 +349,10 @@ def _fresh(taken: Iterable[str], base: str) -> str:
     return name
 
 
-#: Ops a tail may hold: they regroup the fused output's elements and compute nothing.
-_TAIL_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity"})
+#: Ops a tail may hold: they regroup the fused output's elements and compute nothing, or (Add)
+#: add a model value the layer was scatter-added into (the meaning pass writes the layer, then
+#: ``Add(layer, base)``: the base's nodes stay in the model, a boundary of the copy).
+_TAIL_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity", "Add"})
 #: A tail longer than this is not a regrouping canonicalisation left behind.
 _MAX_TAIL = 4
 
