@@ -435,6 +435,15 @@ def splice_fused_node(
     g, region = _region(target, boundary)
     keep = _kept(g, region, target, tokens)
     _check_kept_inputs(region, keep)
+    for v in boundary:  # the copy reads it: a node of the region that makes it must stay
+        producer = v.producer()
+        if producer is not None and id(producer) in region and id(producer) not in keep:
+            raise Refusal(
+                f"the fused nodes read '{v.name}', which {producer.op_type} "
+                f"'{_label(producer)}' of the replaced layer computes",
+                v,
+                part="region",
+            )
 
     # -- from here on the model changes; nothing below can refuse --------------------------
     taken_values = set(values)

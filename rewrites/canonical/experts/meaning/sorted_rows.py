@@ -148,6 +148,8 @@ def split_segments(
     if sizes is None or not isinstance(sizes.term, Counts):
         raise Departure("a Split of the sorted rows by other than the experts' row counts")
     experts = sizes.term.experts
+    if experts is None and [[f.var for f in a] for a in sizes.axes] == [["e"]]:
+        experts = tuple(range(sizes.axes[0][0].size.coef))  # every expert's, in expert order
     if experts is None or list(experts) != list(range(len(node.outputs))):
         raise Departure(f"a Split of the sorted rows by the counts of experts {experts}")
     if len(node.outputs) < ctx.experts:
