@@ -349,8 +349,10 @@ def _fresh(taken: Iterable[str], base: str) -> str:
     return name
 
 
-#: Ops a tail may hold: they regroup the fused output's elements and compute nothing.
-_TAIL_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity"})
+#: Ops a tail may hold: they regroup the fused output's elements and compute nothing, or (Add)
+#: add a model value the layer was scatter-added into (the meaning pass writes the layer, then
+#: ``Add(layer, base)``: the base's nodes stay in the model, a boundary of the copy).
+_TAIL_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity", "Add"})
 #: A tail longer than this is not a regrouping canonicalisation left behind.
 _MAX_TAIL = 4
 
@@ -433,6 +435,15 @@ def splice_fused_node(
     g, region = _region(target, boundary)
     keep = _kept(g, region, target, tokens)
     _check_kept_inputs(region, keep)
+    for v in boundary:  # the copy reads it: a node of the region that makes it must stay
+        producer = v.producer()
+        if producer is not None and id(producer) in region and id(producer) not in keep:
+            raise Refusal(
+                f"the fused nodes read '{v.name}', which {producer.op_type} "
+                f"'{_label(producer)}' of the replaced layer computes",
+                v,
+                part="region",
+            )
 
     # -- from here on the model changes; nothing below can refuse --------------------------
     taken_values = set(values)

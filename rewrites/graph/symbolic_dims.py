@@ -180,9 +180,18 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
     if op == "TopK":
         k = const_ints(ins[1]) if len(ins) > 1 else None
         axis = normalize_axes([attr_int(node, "axis", -1)], len(first))  # type: ignore[list-item]
-        if k is None or len(k) != 1 or axis is None:
+        kept = [Dim.of(k[0])] if k is not None and len(k) == 1 else None
+        if kept is None and len(ins) > 1:  # k computed from shapes: an argsort keeps every row
+            sv = shape_value(ins[1])
+            kept = list(sv.dims) if sv is not None and len(sv.dims) == 1 else None
+        if kept is None or axis is None:
             return None
-        return [Dim.of(k[0]) if i == axis[0] else d for i, d in enumerate(first)]
+        return [kept[0] if i == axis[0] else d for i, d in enumerate(first)]
+    if op == "GatherND" and len(ins) > 1 and attr_int(node, "batch_dims", 0) == 0:
+        indices = value_dims(ins[1], depth, memo)  # out: indices[:-1] + data[m:], m = indices[-1]
+        if indices is None or not indices or indices[-1].syms or indices[-1].coef > len(first):
+            return None
+        return [*indices[:-1], *first[indices[-1].coef :]]
     if op == "MatMul":
         second = value_dims(ins[1], depth, memo)
         if second is None or len(first) < 2 or len(second) < 2:

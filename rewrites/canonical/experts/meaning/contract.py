@@ -23,14 +23,23 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import TOKEN_LAYOUTS, Interpretation
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.sorted_combine import (
+    PlusBase,
+    ScaledWeights,
+    UnitWeights,
+    prescale_of,
+)
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.sorted_rows import SegmentsProj
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Act,
     ExpertSum,
+    Meaning,
     Param,
     Proj,
     SlotSum,
     Tokens,
     Weighted,
+    Weights,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     const_shape,
@@ -76,6 +85,12 @@ class LayerParts:
     output: ir.Value
     split_tokens: ir.Value | None
     widths: tuple[int, int]  # FC2's input and output widths
+    # the sorted forms' extras (:mod:`.sorted_combine`): scalar ops on the weights to replay,
+    # the weights the tokens are scaled by before FC1 (k = 1; the weight is then 1), and a
+    # value the layer was scatter-added into (added after it)
+    weight_post: tuple[tuple[ir.Node, int], ...] = ()
+    prescale: Weights | None = None
+    base: ir.Value | None = None
 
 
 def stack_shape(p: Param) -> tuple[int, ...] | None:
@@ -167,21 +182,31 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     m = found.meaning(out)
     if out is None or m is None or found.tokens is None:
         raise Departure("no value holds the sum over every slot of the weighted expert outputs")
-    if isinstance(m.term, SlotSum):
-        branches = [_branch(m.term.inner, order)]
-    elif isinstance(m.term, Weighted):  # k = 1: the one slot
-        branches = [_branch(m.term, order)]
+    base = None
+    if isinstance(m.term, PlusBase):
+        base = m.term.base
+        m = Meaning(m.axes, m.term.inner)
+    if isinstance(m.term, SlotSum | Weighted):  # Weighted: k = 1, the one slot
+        weighted = m.term.inner if isinstance(m.term, SlotSum) else m.term
+        fc2 = weighted.expert
+        if isinstance(fc2, SegmentsProj):  # sorted rows, each expert's whole MLP on its segment
+            segments = [Weighted(weighted.weights, s) for s in fc2.segments]
+            branches = [_branch(w, order) for w in segments]
+        else:
+            branches = [_branch(weighted, order)]
     elif isinstance(m.term, ExpertSum):
         by_expert = dict(m.term.branches)  # past E: rows no token has (ids < E), dropped
         branches = [_branch(by_expert[e], order) for e in sorted(by_expert) if e < found.experts]
+    else:
+        raise Departure(f"the output holds {m.term.text()}")
+    if len(branches) > 1:
         first = _signature(branches[0], found)
         for e, b in enumerate(branches[1:], start=1):
             if _signature(b, found) != first:
                 raise Departure(f"expert {e}'s MLP differs in structure from expert 0's")
-            if b.weighted.weights.source is not branches[0].weighted.weights.source:
+            w, w0 = b.weighted.weights, branches[0].weighted.weights
+            if w.source is not w0.source or getattr(w, "post", ()) != getattr(w0, "post", ()):
                 raise Departure(f"expert {e}'s rows are weighted by other routing weights")
-    else:
-        raise Departure(f"the output holds {m.term.text()}")
     head = branches[0]
 
     def projection(terms: list[Proj]) -> Projection:
@@ -192,6 +217,14 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
             biases = tuple(b for t in terms for b in (t.bias.experts or (t.bias,)))  # type: ignore[union-attr]
         return Projection(weights, biases, p.contracted == p.weight.feats[0], p)
 
+    scales = {id(prescale_of(p.input)): prescale_of(p.input) for b in branches for p in b.leaves}
+    if len(scales) != 1:
+        raise Departure("FC1's projections read tokens scaled differently")
+    prescale = next(iter(scales.values()))
+    weights = head.weighted.weights
+    if isinstance(weights, UnitWeights) != (prescale is not None):
+        raise Departure("the tokens are scaled by their weight, and weighted again")
+    post = weights.post if isinstance(weights, ScaledWeights) else ()
     fc1 = tuple(projection([b.leaves[i] for b in branches]) for i in range(len(head.leaves)))
     fc2 = projection([b.weighted.expert for b in branches])
     shape = stack_shape(fc2.term.weight)
@@ -199,7 +232,7 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     k_in, n_out = shape[-2:] if fc2.k_major else shape[-2:][::-1]
     return LayerParts(
         found.topk,
-        found.tokens,
+        _expert_tokens(found),
         head.weighted.weights.source,
         fc1,
         head.act_nodes,
@@ -208,7 +241,32 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         out,
         _output_layout(found, m.axes),
         (int(k_in), int(n_out)),
+        post,
+        prescale,
+        base,
     )
+
+
+def _expert_tokens(found: Interpretation) -> ir.Value:
+    """The ``[T, H]`` token rows the fused node takes.
+
+    The router's, or where only the router reads those, another value described as exactly ``X[t, h]`` that the layer reads (a second
+    ``view`` of the same ``[B, S, H]`` input, as static exports write): the same values, and
+    the splice's region then stops at it instead of reaching the graph input behind both.
+    """
+    rows = found.tokens
+    assert rows is not None
+    readers = [u for u, _ in rows.uses() if u.op_type not in ("Shape", "Size")]
+    if any(u.op_type not in ("MatMul", "Gemm") for u in readers):
+        return rows  # the layer reads them too
+    for value, m in found.meanings.values():
+        if value is rows or type(m.term) is not Tokens:
+            continue
+        if [[f.var for f in a] for a in m.axes] != [["t"], ["h"]]:
+            continue
+        if any(u.op_type not in ("Shape", "Size") for u, _ in value.uses()):
+            return value
+    return rows
 
 
 def _output_layout(found: Interpretation, axes) -> ir.Value | None:  # noqa: ANN001

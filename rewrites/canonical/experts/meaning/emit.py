@@ -88,10 +88,17 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     writer = GraphWriter(graph, f"{old_out.name or 'moe'}_meaning")
     idx = parts.topk.outputs[1]
     mapped: dict[int, ir.Value] = {}
+    tokens, weights = parts.tokens, _replayed(writer, parts.weights, parts.weight_post)
+    if parts.prescale is not None:  # k = 1: the tokens times their weight, then the weight 1
+        scale = _replayed(writer, parts.prescale.source, getattr(parts.prescale, "post", ()))
+        column = writer.node("Reshape", [scale, writer.ints("scale_shape", [-1, 1])], "scale")
+        tokens = writer.node("Mul", [tokens, column.outputs[0]], "scaled_tokens").outputs[0]
+        values = parts.topk.outputs[0]
+        weights = writer.node("Softmax", [values], "unit_weights", axis=-1).outputs[0]
     for i, proj in enumerate(parts.fc1):
         base = f"fc1_{i}"
         inputs = [
-            parts.tokens,
+            tokens,
             _weight(writer, proj, base),
             idx,
             *_bias(writer, proj, f"{base}_bias"),
@@ -121,12 +128,14 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
         [grouped.outputs[0], writer.ints("fc2_slots_shape", [-1, k, out_width])],
         "fc2",
     )
-    w3 = writer.node("Unsqueeze", [parts.weights, writer.ints("weights_axes", [-1])], "weights_3d")
+    w3 = writer.node("Unsqueeze", [weights, writer.ints("weights_axes", [-1])], "weights_3d")
     mul = writer.node("Mul", [slots.outputs[0], w3.outputs[0]], "weighted")
     out = writer.node(
         "ReduceSum", [mul.outputs[0], writer.ints("slots_axes", [1])], "out", keepdims=0
     )
     result = out.outputs[0]
+    if parts.base is not None:  # scatter-added into a value other than zeros: that value plus it
+        result = writer.node("Add", [result, parts.base], "plus_base").outputs[0]
     if parts.split_tokens is not None:
         shape = writer.node("Shape", [parts.split_tokens], "out_shape")
         result = writer.node("Reshape", [result, shape.outputs[0]], "out_split").outputs[0]
@@ -137,6 +146,15 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     _take_over(writer, old_out, result)
     writer.remove_dead([old_out])
     writer.take_over_node_names(root)
+
+
+def _replayed(writer: GraphWriter, value: ir.Value, post: tuple) -> ir.Value:
+    """``value`` through the scalar ops ``post`` (``(node, input index of the value)``)."""
+    for node, at in post:
+        inputs = [value if i == at else v for i, v in enumerate(node.inputs)]
+        attrs = dict(node.attributes.items())
+        value = writer.node(node.op_type, inputs, f"w_{node.op_type.lower()}", **attrs).outputs[0]
+    return value
 
 
 def _take_over(writer: GraphWriter, old: ir.Value, new: ir.Value) -> None:

@@ -29,6 +29,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import ONE, Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.rounds import round_weights
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.router_path import router_path
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.sorted_combine import PlusBase
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     ExpertSum,
     Factor,
@@ -363,6 +364,8 @@ def _token_layout(m: Meaning, result: Interpretation) -> bool:
 
 def _complete(term: Term, k: int, experts: int) -> bool:
     """The whole layer: every slot summed, or every expert's loop branch added."""
+    if isinstance(term, PlusBase):  # the layer scatter-added into a base: the layer, plus it
+        term = term.inner
     if isinstance(term, SlotSum):
         return len(term.slots) == k
     if isinstance(term, Weighted) and k == 1:  # one slot: its weighted output is the sum

@@ -18,6 +18,8 @@ token. As meanings:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
@@ -41,7 +43,15 @@ from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.facts import attr_int
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value
 
-__all__ = ["argsort", "chosen", "concat_segments", "count_pick", "counts", "split_segments"]
+__all__ = [
+    "SegmentsProj",
+    "argsort",
+    "chosen",
+    "concat_segments",
+    "count_pick",
+    "counts",
+    "split_segments",
+]
 
 
 def argsort(node: ir.Node, ids: Meaning | None, ctx: Context) -> list[Meaning | None]:
@@ -138,6 +148,8 @@ def split_segments(
     if sizes is None or not isinstance(sizes.term, Counts):
         raise Departure("a Split of the sorted rows by other than the experts' row counts")
     experts = sizes.term.experts
+    if experts is None and [[f.var for f in a] for a in sizes.axes] == [["e"]]:
+        experts = tuple(range(sizes.axes[0][0].size.coef))  # every expert's, in expert order
     if experts is None or list(experts) != list(range(len(node.outputs))):
         raise Departure(f"a Split of the sorted rows by the counts of experts {experts}")
     if len(node.outputs) < ctx.experts:
@@ -183,5 +195,22 @@ def concat_segments(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> M
         mine = [a for i, a in enumerate(axes) if i != axis]
         if [[f.size for f in a] for a in others] != [[f.size for f in a] for a in mine]:
             raise Departure("a Concat of expert segments of different widths")
-    proj = Proj(first.stage, first.input, weights, first.contracted, first.out_var, bias, None)
+    if all(t.input is first.input for t in terms):  # one activation over every segment
+        proj = Proj(first.stage, first.input, weights, first.contracted, first.out_var, bias)
+    else:  # each expert's own MLP on its segment: the contract compares them (SegmentsProj)
+        proj = SegmentsProj(
+            first.stage, first.input, weights, first.contracted, first.out_var, bias,
+            segments=tuple(terms),  # type: ignore[arg-type]
+        )  # fmt: skip
     return Meaning(tuple(axes), proj)
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentsProj(Proj):
+    """The experts' projections of their segments concatenated, each reading its own input.
+
+    ``segments``: expert e's projection (its FC2 of its own activation of its own FC1); the
+    contract checks that every expert's MLP has expert 0's structure before it stacks them.
+    """
+
+    segments: tuple[Proj, ...] = ()

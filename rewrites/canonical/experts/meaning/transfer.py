@@ -2,7 +2,8 @@
 
 Layout ops go to :mod:`.layout`, arithmetic and projections to :mod:`.arith` (dense forms to
 :mod:`.dense`), gathers, masks and scatters to :mod:`.indexing`, sorted rows and expert counts to
-:mod:`.sorted_rows`; index tuples, copies and counts picked by constants are here. A node that
+:mod:`.sorted_rows` (histogram counts, index facts and the sorted combines to :mod:`.id_tables`
+and :mod:`.sorted_combine`); index tuples, copies and counts picked by constants are here. A node that
 cannot be described raises :class:`~.layout.Departure` with what it computes instead.
 """
 
@@ -16,6 +17,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     indexing,
     layout,
     rounds,
+    sorted_combine,
     sorted_rows,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
@@ -58,6 +60,9 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         raise Departure(f"a {op} of a value this analysis does not describe")
     if op in _LAYOUT:
         return [_layout(node, first)]  # type: ignore[arg-type]
+    extra = sorted_combine.extra_transfer(node, ins, ctx)  # id tables, counts, sorted combines
+    if extra is not None:
+        return extra + [None] * (len(node.outputs) - len(extra))
     described = [m for m in ins if m is not None]
     if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
         if described and all(isinstance(m.term, Weights | Routing) for m in described):
