@@ -140,7 +140,8 @@ class CanonicalMeaningPass(ir.passes.InPlacePass):
                 self.refusals.append(_refusal(outcome).recorded_by(MEANING, topk))
                 continue
             write_per_slot(graph, found, outcome)  # type: ignore[arg-type]
-            self.rewritten.append(topk)
+            # a twin's TopK is the same selection: the rules' refusals may name either
+            self.rewritten.extend((topk, *twins(topk)))
             done.update(id(t) for t in (topk, *twins(topk)))
             modified = True
             order = {}
