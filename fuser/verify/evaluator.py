@@ -217,7 +217,7 @@ def run_node(
     tensors, present_attrs, wanted = bind_node(spec, node, inputs, attrs, declared_inputs)
     declared = list(kernel.manifest.attributes)
     kernel_attrs = _kernel_attributes(spec, node, present_attrs, declared)
-    tensors, narrowed = widen_half_inputs(kernel.manifest, tensors)
+    tensors, narrowed = widen_half_inputs(kernel.manifest, tensors, kernel.device.has_f16)
     try:
         result = kernel(attrs=kernel_attrs, optional_outputs=wanted, **tensors)
     except KernelCallError as exc:
@@ -246,16 +246,18 @@ def _type_var(manifest: Any, bind_key: str) -> str | None:
 
 
 def widen_half_inputs(
-    manifest: Any, tensors: Mapping[str, np.ndarray]
+    manifest: Any, tensors: Mapping[str, np.ndarray], has_f16: bool = True
 ) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
-    """Float16/bfloat16 tensors of a type the kernel runs in float32 only, widened to float32.
+    """Half-precision tensors of a type the kernel cannot take here, widened to float32.
 
-    The MoE and QMoE kernel packages compute in float32 (their manifests' ``T``). A float16 or
-    bfloat16 fused node still runs on them: its inputs widen exactly, the kernel computes in
-    float32, and its outputs of the same type variable are rounded back to the node's type
-    (``narrowed``: ``{type variable: numpy dtype}``), once, where ONNX Runtime's half-precision
-    kernels round intermediates too; the checker's per-dtype tolerance covers the difference.
-    A type the kernel takes as it is stays untouched.
+    The MoE and QMoE kernel packages take float16 (their manifests' ``T``: float16 I/O,
+    float32 accumulation) where the adapter has shader-f16 (``has_f16``), and bfloat16
+    nowhere. A float16 tensor on an adapter without shader-f16, or a bfloat16 one, still runs:
+    its inputs widen exactly, the kernel computes in float32, and its outputs of the same type
+    variable are rounded back to the node's type (``narrowed``: ``{type variable: numpy
+    dtype}``), once, where ONNX Runtime's half-precision kernels round intermediates too; the
+    checker's per-dtype tolerance covers the difference. A type the kernel takes as it is stays
+    untouched (a float16 layer on a shader-f16 adapter runs on the float16 kernels).
     """
     out = dict(tensors)
     narrowed: dict[str, np.dtype] = {}
@@ -263,7 +265,9 @@ def widen_half_inputs(
         var = _type_var(manifest, key)
         allowed = manifest.type_constraints.get(var) if var is not None else None
         name = array.dtype.name
-        if allowed is None or name not in _HALF_DTYPES or name in allowed:
+        if allowed is None or name not in _HALF_DTYPES:
+            continue
+        if name in allowed and (name != "float16" or has_f16):
             continue
         if "float32" not in allowed:
             continue
