@@ -19,6 +19,7 @@ both. Usage::
     .venv/bin/python benchmarks/bench_moe_kernels.py [--ops qmoe moe] [--cases GLOB ...]
         [--runs 10] [--budget 20] [--all] [--ort-threads N] [--ort-webgpu DIR]
         [--ort-webgpu-results JSON] [--json OUT] [--plot PNG] [--table TXT] [--chosen-only]
+        [--dtype float32 float16]
 
 Last it prints the comparison table (``moe_report.py``): per layer and token count our
 kernel (the planner's choice, and the fastest variant where others were timed) against
@@ -26,7 +27,9 @@ ORT WebGPU and ORT CPU and against the call's copy-bandwidth and FMA floors, the
 planner's choice spends its time (timestamps before every dispatch, summed by pass, where the
 adapter has ``timestamp-query-inside-passes``). ``--plot`` draws time against tokens per
 layer (matplotlib), ``--table`` writes the comparison tables as text, ``--chosen-only`` times
-the planner's choice alone (a shorter run). On the GPU machine: ``scripts/gpu_run.sh``.
+the planner's choice alone (a shorter run), ``--dtype float32 float16`` runs every case in
+both (float16: the same draws rounded, on the float16 kernels; a table of float16 against
+float32 follows). On the GPU machine: ``scripts/gpu_run.sh``.
 
 ``--budget`` caps the seconds spent timing one (case, variant): slow adapters (lavapipe)
 get fewer runs. Cases where no variant fits this adapter are skipped unless ``--all``.
@@ -108,6 +111,18 @@ class Inputs:
                 cached = self._weights[key] = (tag, self._draw(spec))
             out[key] = cached[1]
         return out
+
+
+def in_dtype(call: dict, dtype: str) -> dict:
+    """The call with its float32 tensors (activations, biases, scales, MoE weights) in ``dtype``.
+
+    The bench.json cases are written in float32; ``--dtype float16`` rounds the same draws to
+    float16, so float16 and float32 runs of a case see (nearly) the same values.
+    """
+    if dtype == "float32":
+        return call
+    target = MANIFEST_DTYPES[dtype]
+    return {k: a.astype(target) if a.dtype == np.float32 else a for k, a in call.items()}
 
 
 # -- measures -----------------------------------------------------------------------------
@@ -196,6 +211,13 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="write time against tokens here (PNG)")
     parser.add_argument("--table", default=None, help="write the comparison tables here (text)")
     parser.add_argument("--chosen-only", action="store_true", help="time the planner's choice only")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "float16"],
+        help="activation dtypes to run each case in (float16: the float16 kernels)",
+    )
     args = parser.parse_args()
     tunables = json.loads(args.tunables) if args.tunables else {}
 
@@ -225,23 +247,26 @@ def main() -> None:
     for op in args.ops:
         kernel = get_kernel(OPS[op])
         folder = next(f for f in package_folders() if f.name == op)
-        for case in load_cases(folder / "bench.json"):
+        for case, dtype in [(c, d) for c in load_cases(folder / "bench.json") for d in args.dtype]:
             if args.cases and not any(fnmatch.fnmatch(case.name, g) for g in args.cases):
                 continue
+            name = case.name if dtype == "float32" else f"{case.name}@{dtype}"
             too_big = _fits(case, device)
             if too_big and not args.all:
-                print(f"skip {op}/{case.name}: {too_big} bytes exceed one storage binding")
+                print(f"skip {op}/{name}: {too_big} bytes exceed one storage binding")
                 continue
             t0 = time.perf_counter()
-            call = inputs.call(op, case)
+            call = in_dtype(inputs.call(op, case), dtype)
             model, tokens = case_label(case.name, call)
+            if dtype != "float32":
+                model = f"{model} {dtype}"  # its own rows, and its own ORT session
             reference, ort_s, ort_version = None, None, None
             if not args.no_ort:
                 run_ort, ort_version = cpu.runner(op, model, call, case.attrs), cpu.version
                 reference = run_ort()
                 ort_s = median(wall_times(run_ort, max(1, args.ort_runs)))
-            web = _webgpu(webgpu, earlier, op, case.name, model, call, case.attrs, reference)
-            record["ortWebGpu"][f"{op}/{case.name}"] = web
+            web = _webgpu(webgpu, earlier, op, name, model, call, case.attrs, reference)
+            record["ortWebGpu"][f"{op}/{name}"] = web
             used = weights_read(op, call, case.attrs)
             flops = layer_flops(call, case.attrs)
             chosen, times, stage_record = None, {}, {}
@@ -255,12 +280,12 @@ def main() -> None:
                     continue
                 if vid in rejected:
                     if not vid.endswith("zero_inter"):
-                        rows.append([op, case.name, vid, "-", "-", "-", "-", rejected[vid][:100]])
+                        rows.append([op, name, vid, "-", "-", "-", "-", rejected[vid][:100]])
                     continue
                 if args.chosen_only and vid != chosen:
                     continue
-                if any(fnmatch.fnmatch(f"{case.name}:{vid}", g) for g in args.skip):
-                    rows.append([op, case.name, vid, "-", "-", "-", "-", "skipped (--skip)"])
+                if any(fnmatch.fnmatch(f"{name}:{vid}", g) for g in args.skip):
+                    rows.append([op, name, vid, "-", "-", "-", "-", "skipped (--skip)"])
                     continue
                 plan = kernel.plan(attrs=case.attrs, variant=vid, tunables=tunables, **call)
                 ts, method, out = time_variant(kernel, plan, args.runs, args.budget)
@@ -280,7 +305,7 @@ def main() -> None:
                 rows.append(
                     [
                         op,
-                        case.name,
+                        name,
                         vid,
                         f"{t * 1e3:.3f}",
                         f"{err:.1e}",
@@ -291,7 +316,8 @@ def main() -> None:
                 )
             entry = {
                 "op": op,
-                "case": case.name,
+                "case": name,
+                "dtype": dtype,
                 "model": model,
                 "tokens": tokens,
                 "chosen": chosen,
@@ -308,7 +334,7 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(record, indent=1))
             if times:
                 summary.append(_summary_row(entry, web, bandwidth, flop_rate))
-            print(f"done {op}/{case.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"done {op}/{name} in {time.perf_counter() - t0:.1f} s", flush=True)
     if webgpu:
         webgpu.close()
     print()

@@ -118,6 +118,39 @@ def comparison_rows(record: dict) -> list[list[str]]:
     return rows
 
 
+HALF_HEADER = ["op", "layer", "tokens", "float32 ms", "float16 ms", "float16 / float32", "as fast"]
+
+
+def half_rows(record: dict) -> list[list[str]]:
+    """The planner's choice in float16 against float32, per (op, layer, tokens).
+
+    Only cases run in both dtypes (``--dtype float32 float16``); issue 20 asks float16 to be
+    at least as fast at every size.
+    """
+    by_key: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for entry in record["cases"]:
+        dtype = entry.get("dtype", "float32")
+        layer = entry["model"].removesuffix(f" {dtype}")
+        by_key[(entry["op"], layer, entry["tokens"])][dtype] = entry
+    rows = []
+    for (op, layer, tokens), pair in by_key.items():
+        full, half = (ours(pair[d]) if d in pair else None for d in ("float32", "float16"))
+        if full is None or half is None:
+            continue
+        rows.append(
+            [
+                OP_NAMES.get(op, op),
+                layer,
+                str(tokens),
+                f"{fmt_ms(full)} ({_short(pair['float32']['chosen'])})",
+                f"{fmt_ms(half)} ({_short(pair['float16']['chosen'])})",
+                f"{half / full:.2f}",
+                "yes" if half <= full else "no",
+            ]
+        )
+    return rows
+
+
 def stage_rows(record: dict) -> list[list[str]]:
     """Per case, the planner's choice's dispatch times summed by pass id (microseconds)."""
     rows = []
@@ -154,6 +187,11 @@ def print_report(record: dict) -> None:
     )
     print()
     print_table(COMPARISON_HEADER, comparison_rows(record))
+    halves = half_rows(record)
+    if halves:
+        print()
+        print("float16 against float32 (the planner's choice in each, same draws):")
+        print_table(HALF_HEADER, halves)
     stages = stage_rows(record)
     if stages:
         print()

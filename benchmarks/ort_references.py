@@ -46,6 +46,11 @@ def ort_model(op: str, call: dict, attrs: dict, constant_weights: bool, legacy: 
     keep = [a for a in node.attribute if not (legacy and a.i in NEW_ATTRIBUTES.get(a.name, ()))]
     del node.attribute[:]
     node.attribute.extend(keep)
+    # kernel_node_model types its output float32: a float16 call (--dtype float16) has a
+    # float16 output, the type of its input.
+    model.graph.output[0].type.tensor_type.elem_type = model.graph.input[
+        0
+    ].type.tensor_type.elem_type
     # The token count symbolic: one session serves every case of a layer (1 ... 512 tokens).
     for value in model.graph.input:
         if value.name in ("in0", "in1"):
