@@ -335,17 +335,31 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
     return None, True
 
 
-#: The parts in the order the layer computes them.
-_LAYER_ORDER = ("tokens", "fc1", "activation", "fc2", "combine")
+#: The parts in the order the layer computes them (the routing selects before any of them).
+_LAYER_ORDER = ("routing", "tokens", "fc1", "activation", "fc2", "combine")
+
+
+#: The parts whose rule refusals are about the form alone where the analysis of meaning read
+#: them: the rows a projection reads and the projection itself are index semantics, which the
+#: analysis reads whatever the spelling (activations, FC2 and the combine it reads as terms
+#: whose behaviour the rules prove, so their refusals stay the reason).
+_FORM_PARTS = ("tokens", "fc1")
 
 
 def departs_before(departs: Refusal, refusal: Refusal) -> bool:
-    """The meaning departs at a part before the one the rule failed at (its failure follows)."""
+    """Whether the analysis of meaning's departure, not the rule's refusal, names the layer's node.
+
+    Where the meaning departs at a part before the one the rule failed at (its failure follows),
+    or after a tokens/FC1 refusal of the rule: the analysis read those rows and projections as
+    the contract's, so the rule's failure there was its form, and the meaning's node is the
+    first that departs.
+    """
     if refusal.part is None:
         return True
     if departs.part not in _LAYER_ORDER or refusal.part not in _LAYER_ORDER:
         return False
-    return _LAYER_ORDER.index(departs.part) < _LAYER_ORDER.index(refusal.part)
+    at, failed = _LAYER_ORDER.index(departs.part), _LAYER_ORDER.index(refusal.part)
+    return at < failed or (at > failed and refusal.part in _FORM_PARTS)
 
 
 def pointing_record(refusals: list[Refusal], topk: ir.Node) -> Refusal | None:
