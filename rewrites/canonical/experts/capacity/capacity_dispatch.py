@@ -67,7 +67,9 @@ def _rewrite(graph: ir.Graph, gate: Top2Gate, layer: CapacityDispatch) -> None:
     anchor = old_out.producer()
     writer = GraphWriter(graph, gate.rounds[0].name or "deepspeed_top2")
     k = writer.ints("k", [2])
-    topk = writer.node("TopK", [gate.probs, k], "top2", output_count=2, axis=-1, largest=1, sorted=1)
+    topk = writer.node(
+        "TopK", [gate.probs, k], "top2", output_count=2, axis=-1, largest=1, sorted=1
+    )
     values, ids = topk.outputs
     last = writer.ints("last_axis", [-1])
     total = writer.node("ReduceSum", [values, last], "weights_sum", keepdims=1).outputs[0]
@@ -82,9 +84,9 @@ def _rewrite(graph: ir.Graph, gate: Top2Gate, layer: CapacityDispatch) -> None:
         hit = writer.node("Equal", [ids, expert], f"expert_{e}_chosen").outputs[0]
         hit_f = writer.node("Cast", [hit], f"expert_{e}_mask", to=dtype).outputs[0]
         picked = writer.node("Mul", [hit_f, weights], f"expert_{e}_weights").outputs[0]
-        column = writer.node(
-            "ReduceSum", [picked, last], f"expert_{e}_column", keepdims=1
-        ).outputs[0]
+        column = writer.node("ReduceSum", [picked, last], f"expert_{e}_column", keepdims=1).outputs[
+            0
+        ]
         for node in nodes:  # the expert now reads every row: [T, N] values, not [1, C, N]
             for i, v in enumerate(node.inputs):
                 if v is chunk:

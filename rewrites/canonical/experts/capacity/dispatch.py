@@ -87,10 +87,15 @@ def _int_value(value: ir.Value | None, shapes: dict[int, list[int | None]], dept
     if node is None:
         return None
     if is_op(node, "Shape"):
-        dims = shapes.get(id(node.inputs[0]))
-        start, end = attr_int(node, "start", 0), attr_int(node, "end", None)
-        picked = None if dims is None else dims[start:end]
+        picked = _shape_dims(node, shapes)
         return None if picked is None or None in picked else np.array(picked, np.int64)
+    source = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    if is_op(node, "Gather") and is_op(source, "Shape") and attr_int(node, "axis", 0) == 0:
+        dims, index = _shape_dims(source, shapes), const_array(node.inputs[1])
+        if dims is None or index is None:
+            return None
+        picked = np.asarray(dims, dtype=object)[index.astype(np.int64)]
+        return None if None in np.ravel(picked).tolist() else picked.astype(np.int64)
     args = [_int_value(v, shapes, depth + 1) for v in node.inputs]
     if any(a is None for a in args):
         return None
@@ -108,6 +113,13 @@ def _int_value(value: ir.Value | None, shapes: dict[int, list[int | None]], dept
     if is_op(node, "Unsqueeze") or is_op(node, "Squeeze"):
         return args[0].reshape(-1) if is_op(node, "Unsqueeze") else args[0].reshape(())
     return None
+
+
+def _shape_dims(shape: ir.Node, shapes: dict[int, list[int | None]]) -> list[int | None] | None:
+    """The dims a ``Shape`` node reads of a value in ``shapes`` (None: unknown dims)."""
+    dims = shapes.get(id(shape.inputs[0]))
+    start, end = attr_int(shape, "start", 0), attr_int(shape, "end", None)
+    return None if dims is None else dims[start:end]
 
 
 def _chunks(buffer: ir.Value, experts: int) -> list[ir.Value]:
@@ -194,10 +206,16 @@ def read_dispatch(combine: ir.Value, logits: ir.Value, experts: int) -> Capacity
     """Prove the einsum dispatch into ``[E, C, M]``, the chunked experts and the combine."""
     tokens = router_rows(logits)
     if tokens is None:
-        raise Refusal(f"{logits.name}: the router does not project token rows", logits, part="tokens")
+        raise Refusal(
+            f"{logits.name}: the router does not project token rows", logits, part="tokens"
+        )
     with part("fc1"):
-        as_bool = _through(combine, "Cast", "the dispatch mask (bool)", lambda n: cast_of(n, ir.DataType.BOOL))
-        mask = _through(as_bool, "Cast", "the dispatch mask as float", lambda n: cast_of(n, ir.DataType.FLOAT))
+        as_bool = _through(
+            combine, "Cast", "the dispatch mask (bool)", lambda n: cast_of(n, ir.DataType.BOOL)
+        )
+        mask = _through(
+            as_bool, "Cast", "the dispatch mask as float", lambda n: cast_of(n, ir.DataType.FLOAT)
+        )
         moved = _through(mask, "Transpose", "the dispatch mask as [E, C, T]", _perm_is([1, 2, 0]))
         mm = single([n for n in users_of(moved) if is_op(n, "MatMul")], moved, "the dispatch")
         if mm.inputs[0] is not moved or mm.inputs[1] is not tokens:
@@ -205,12 +223,20 @@ def read_dispatch(combine: ir.Value, logits: ir.Value, experts: int) -> Capacity
         buffer = mm.outputs[0]
         chunks = _chunks(buffer, experts)
     with part("combine"):
-        moved_w = _through(combine, "Transpose", "the combine weights as [E, T, C]", _perm_is([1, 0, 2]))
+        moved_w = _through(
+            combine, "Transpose", "the combine weights as [E, T, C]", _perm_is([1, 0, 2])
+        )
         cmm = single([n for n in users_of(moved_w) if is_op(n, "MatMul")], moved_w, "the combine")
         stacked = cmm.inputs[1] if cmm.inputs[0] is moved_w else None
         concat = stacked.producer() if stacked is not None else None
-        if not is_op(concat, "Concat") or attr_int(concat, "axis", 0) != 0 or len(concat.inputs) != experts:
-            raise Refusal(f"{label(cmm)}: the combine does not read the E experts' outputs stacked", cmm)
+        if (
+            not is_op(concat, "Concat")
+            or attr_int(concat, "axis", 0) != 0
+            or len(concat.inputs) != experts
+        ):
+            raise Refusal(
+                f"{label(cmm)}: the combine does not read the E experts' outputs stacked", cmm
+            )
         red = single(users_of(cmm.outputs[0]), cmm, "the combine's sum over the experts")
         if not is_op(red, "ReduceSum") or node_axes(red) != [0] or attr_int(red, "keepdims", 1):
             raise Refusal(f"{label(red)}: not the sum over the experts", red)

@@ -122,9 +122,7 @@ def _second_round(mask0: ir.Value, bool0: ir.Value | None, logits: ir.Value, e: 
     wheres = [n for c in conds for n in users_of(c) if is_op(n, "Where") and n.inputs[0] is c]
     where = single(wheres, mask0, "the first choice's mask masks no logits (a Where)")
     if where.inputs[2] is not logits or not _all_minus_inf(where.inputs[1]):
-        raise Refusal(
-            f"{label(where)}: not the router logits with the first choice at -inf", where
-        )
+        raise Refusal(f"{label(where)}: not the router logits with the first choice at -inf", where)
     if e < 2:
         raise Refusal(f"{label(where)}: a second choice among {e} experts", where)
     topk = single([n for n in users_of(where.outputs[0]) if _top1(n)], where, "no argmax")
@@ -147,7 +145,9 @@ def _weights(mask_f: tuple[ir.Value, ir.Value], probs: ir.Value, experts: int):
     for j, m in enumerate(mask_f):
         found = [s for s in lowered_dot(probs, m)]
         sums.append(single(found, m, f"choice {j}'s probability (sum_e P * mask) is not read"))
-    adds = [n for n in users_of(sums[0]) if is_op(n, "Add") and other_operand(n, sums[0]) is sums[1]]
+    adds = [
+        n for n in users_of(sums[0]) if is_op(n, "Add") and other_operand(n, sums[0]) is sums[1]
+    ]
     add = single(adds, sums[0], "the two choices' probabilities are not added")
     clip = single(users_of(add.outputs[0]), add, "the sum of the two probabilities")
     if not is_op(clip, "Clip") or not _clip_never_binds(clip, experts):
@@ -158,8 +158,14 @@ def _weights(mask_f: tuple[ir.Value, ir.Value], probs: ir.Value, experts: int):
         )
     out = []
     for j, s in enumerate(sums):
-        divs = [n for n in users_of(s) if is_op(n, "Div") and n.inputs[0] is s and n.inputs[1] is clip.outputs[0]]
-        out.append(single(divs, s, f"choice {j}'s probability is not divided by the sum").outputs[0])
+        divs = [
+            n
+            for n in users_of(s)
+            if is_op(n, "Div") and n.inputs[0] is s and n.inputs[1] is clip.outputs[0]
+        ]
+        out.append(
+            single(divs, s, f"choice {j}'s probability is not divided by the sum").outputs[0]
+        )
     return out
 
 
@@ -173,7 +179,11 @@ def _locations(mask: ir.Value, offset_mask: ir.Value | None, t: ir.Node) -> ir.V
     if attr_int(cum, "reverse", 0):
         raise Refusal(f"{label(cum)}: a reversed CumSum", cum)
     sub = single(users_of(cum.outputs[0]), cum, "the count")
-    if not is_op(sub, "Sub") or sub.inputs[0] is not cum.outputs[0] or const_float(sub.inputs[1]) != 1:
+    if (
+        not is_op(sub, "Sub")
+        or sub.inputs[0] is not cum.outputs[0]
+        or const_float(sub.inputs[1]) != 1
+    ):
         raise Refusal(f"{label(sub)}: the count minus 1 is not the location", sub)
     located = sub.outputs[0]
     if offset_mask is not None:
@@ -195,7 +205,11 @@ def _locations(mask: ir.Value, offset_mask: ir.Value | None, t: ir.Node) -> ir.V
     muls = [n for n in users_of(located) if is_op(n, "Mul") and other_operand(n, located) is mask]
     mul = single(muls, located, "the locations are not taken at the chosen expert (* mask)")
     red = single(users_of(mul.outputs[0]), mul, "the chosen expert's location")
-    if not is_op(red, "ReduceSum") or node_axes(red) not in ([1], [-1]) or attr_int(red, "keepdims", 1):
+    if (
+        not is_op(red, "ReduceSum")
+        or node_axes(red) not in ([1], [-1])
+        or attr_int(red, "keepdims", 1)
+    ):
         raise Refusal(f"{label(red)}: not the sum over the experts of the located mask", red)
     return red.outputs[0]
 
@@ -214,14 +228,22 @@ def _capacity_holds(depth: ir.Value | int, tokens: ir.Value, at: ir.Node) -> Non
             f"token count is {t_dim}; a location reaches T - 1, so tokens past C would be "
             "dropped (a capacity limit)",
             at,
+            part="routing",
         )
     mul = depth.producer() if isinstance(depth, ir.Value) else None
     if is_op(mul, "Mul"):
         for a, b in (mul.inputs, mul.inputs[::-1]):
             k = const_array(b)
-            if k is not None and k.size == 1 and int(k.reshape(-1)[0]) >= 1 and _token_count(a, tokens):
+            if (
+                k is not None
+                and k.size == 1
+                and int(k.reshape(-1)[0]) >= 1
+                and _token_count(a, tokens)
+            ):
                 return
-    raise Refusal(f"{label(at)}: the capacity is not proved at least the token count", at)
+    raise Refusal(
+        f"{label(at)}: the capacity is not proved at least the token count", at, part="routing"
+    )
 
 
 def _static(depth: ir.Value | int) -> int | None:
@@ -236,7 +258,12 @@ def _token_count(value: ir.Value, tokens: ir.Value) -> bool:
         return False
     index = const_array(gather.inputs[1])
     shape = gather.inputs[0].producer()
-    if index is None or index.size != 1 or int(index.reshape(-1)[0]) != 0 or not is_op(shape, "Shape"):
+    if (
+        index is None
+        or index.size != 1
+        or int(index.reshape(-1)[0]) != 0
+        or not is_op(shape, "Shape")
+    ):
         return False
     if attr_int(shape, "start", 0) != 0:
         return False
@@ -271,24 +298,33 @@ def read_gate(round0: ir.Node, logits: ir.Value) -> Top2Gate:
         locations = (_locations(mask0, None, round0), _locations(mask1, mask0, round1))
         terms, depths = [], []
         for j in range(2):
-            row = single(unsqueeze_of(weights[j], 1, 1), weights[j], f"choice {j}'s weight as [T, 1]")
-            muls = [n for n in users_of(row) if is_op(n, "Mul") and other_operand(n, row) is mask_f[j]]
+            row = single(
+                unsqueeze_of(weights[j], 1, 1), weights[j], f"choice {j}'s weight as [T, 1]"
+            )
+            muls = [
+                n for n in users_of(row) if is_op(n, "Mul") and other_operand(n, row) is mask_f[j]
+            ]
             gates = single(muls, row, f"choice {j}'s weight times its mask").outputs[0]
-            loc_hot, depth = _location_one_hot(locations[j])
-            depths.append(depth)
+            loc_hot, depth, hot = _location_one_hot(locations[j])
+            depths.append((depth, hot))
             gates_3 = single(unsqueeze_of(gates, 2, 2), gates, f"choice {j}'s gates as [T, E, 1]")
             loc_3 = single(unsqueeze_of(loc_hot, 2, 1), loc_hot, f"choice {j}'s slots as [T, 1, C]")
-            muls = [n for n in users_of(gates_3) if is_op(n, "Mul") and other_operand(n, gates_3) is loc_3]
+            muls = [
+                n
+                for n in users_of(gates_3)
+                if is_op(n, "Mul") and other_operand(n, gates_3) is loc_3
+            ]
             terms.append(single(muls, gates_3, f"choice {j}'s combine (gates x location one-hot)"))
         adds = [n for n in users_of(terms[0].outputs[0]) if is_op(n, "Add")]
         add = single(adds, terms[0], "the two choices' combine tensors are not added")
         if other_operand(add, terms[0].outputs[0]) is not terms[1].outputs[0]:
             raise Refusal(f"{label(add)}: adds something other than the two choices", add)
-        if depths[0] is not depths[1] and _static(depths[0]) != _static(depths[1]):
+        (c0, _), (c1, _) = depths
+        if c0 is not c1 and (_static(c0) is None or _static(c0) != _static(c1)):
             raise Refusal(f"{label(add)}: the two choices' capacities differ", add)
-        for d, rnd in zip(depths, (round0, round1), strict=True):
-            _capacity_holds(d, probs, rnd)
-    return Top2Gate(logits, probs, (round0, round1), add.outputs[0], experts, depths[0])
+        for c, hot in depths:
+            _capacity_holds(c, probs, hot)
+    return Top2Gate(logits, probs, (round0, round1), add.outputs[0], experts, c0)
 
 
 def _refuse_capacity_drop(mask: ir.Value) -> None:
@@ -306,19 +342,28 @@ def _refuse_capacity_drop(mask: ir.Value) -> None:
                 f"('{label(node)}'): a capacity limit that drops the tokens past it "
                 "(drop_tokens=True), which no fused node computes",
                 mul,
+                part="routing",
             )
 
 
-def _location_one_hot(loc: ir.Value) -> tuple[ir.Value, ir.Value | int]:
-    """``Cast(one_hot(loc, C), float)`` of the locations: the value and ``C`` (the OneHot's
-    depth value, or the size of the range the locations are compared with)."""
+def _location_one_hot(loc: ir.Value) -> tuple[ir.Value, ir.Value | int, ir.Node]:
+    """``Cast(one_hot(loc, C), float)`` of the locations, ``C`` and the one-hot node.
+
+    ``C`` is the OneHot's depth value, or the size of the range the locations are compared with.
+    """
     for n in users_of(loc):
         if is_op(n, "OneHot"):
             values = const_array(n.inputs[2])
-            if values is None or values.reshape(-1).tolist() != [0, 1] or attr_int(n, "axis", -1) not in (-1, 1):
+            if (
+                values is None
+                or values.reshape(-1).tolist() != [0, 1]
+                or attr_int(n, "axis", -1) not in (-1, 1)
+            ):
                 raise Refusal(f"{label(n)}: not a one-hot of the locations", n)
-            cast = single([c for c in users_of(n.outputs[0]) if cast_of(c, ir.DataType.FLOAT)], n, "as float")
-            return cast.outputs[0], n.inputs[1]
+            cast = single(
+                [c for c in users_of(n.outputs[0]) if cast_of(c, ir.DataType.FLOAT)], n, "as float"
+            )
+            return cast.outputs[0], n.inputs[1], n
     for n in users_of(loc):
         if is_op(n, "Unsqueeze") and node_axes(n) in ([1], [-1]):
             for eq in users_of(n.outputs[0]):
@@ -330,5 +375,5 @@ def _location_one_hot(loc: ir.Value) -> tuple[ir.Value, ir.Value | int]:
                         eq,
                         "as float",
                     )
-                    return cast.outputs[0], int(arr.size)
+                    return cast.outputs[0], int(arr.size), eq
     raise Refusal(f"{loc.name}: the locations are not one-hot encoded over a capacity", loc)

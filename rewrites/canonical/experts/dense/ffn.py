@@ -62,6 +62,7 @@ _ELEMENTWISE = frozenset(
         "Clip",
         "Swish",
         "HardSigmoid",
+        "Pow",
     }
 )
 _MS_ELEMENTWISE = frozenset({"FastGelu", "Gelu", "QuickGelu"})
