@@ -237,6 +237,9 @@ def read_dispatch(combine: ir.Value, logits: ir.Value, experts: int) -> Capacity
             raise Refusal(
                 f"{label(cmm)}: the combine does not read the E experts' outputs stacked", cmm
             )
+        if stacked.is_graph_output() or users_of(stacked) != [cmm]:
+            # the experts will read every row: the stack would change for another reader
+            raise Refusal(f"{label(concat)}: the stacked expert outputs are read elsewhere", concat)
         red = single(users_of(cmm.outputs[0]), cmm, "the combine's sum over the experts")
         if not is_op(red, "ReduceSum") or node_axes(red) != [0] or attr_int(red, "keepdims", 1):
             raise Refusal(f"{label(red)}: not the sum over the experts", red)
