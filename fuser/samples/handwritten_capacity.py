@@ -12,7 +12,10 @@ each trap below is a near-identical layer that is not:
 * ``trap_no_offset``: the second choice's locations not shifted past the first choice's, so a
   first-choice and a second-choice token share a capacity slot;
 * ``trap_fill_zero``: the first choice masked with 0 instead of ``-inf`` (a row whose other
-  logits are negative picks the same expert twice).
+  logits are negative picks the same expert twice);
+* ``trap_other_slot``: the second choice's combine reads the first choice's slot (another
+  token's row, or an empty slot);
+* ``trap_other_weight``: the second choice weighted by the first choice's weight.
 
 ``dynamic`` writes a symbolic token count with ``C = 2 * Shape(logits)[0]`` (the honest layer
 only). Weights are ``weights(seed)``; the tests' numpy reference reads them from the model.
@@ -40,6 +43,8 @@ CAPACITY = {
     "trap_small_capacity": Refused("routing", "capacity C"),
     "trap_no_offset": Refused("combine", "first-choice tokens"),
     "trap_fill_zero": Refused("routing", "-inf"),
+    "trap_other_slot": Refused("combine", "slots as [T, 1, C]"),
+    "trap_other_weight": Refused("combine", "weight as [T, 1]"),
 }
 
 
@@ -95,8 +100,13 @@ def deepspeed_top2(variant: str = "nodrop", seed: int = 0) -> HandwrittenLayer:
     eps = g.const("eps", np.array(np.finfo(np.float32).eps, np.float32))
     denom = g.op("Clip", [total, eps], "denom")
     combine = []
+    if variant == "trap_other_slot":
+        slots[1] = slots[0]
+    w0 = None
     for j, ((gate, mask_f), slot_f) in enumerate(zip(gates, slots, strict=True)):
         w = g.op("Div", [gate, denom], f"w{j}")
+        w0 = w0 or w
+        w = w0 if variant == "trap_other_weight" else w
         spread = g.op("Einsum", [w, mask_f], f"spread{j}", equation="s,se->se")
         combine.append(g.op("Einsum", [spread, slot_f], f"combine{j}", equation="se,sc->sec"))
     weights = g.op("Add", combine, "combine_weights")
