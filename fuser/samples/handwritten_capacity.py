@@ -15,7 +15,9 @@ each trap below is a near-identical layer that is not:
   logits are negative picks the same expert twice);
 * ``trap_other_slot``: the second choice's combine reads the first choice's slot (another
   token's row, or an empty slot);
-* ``trap_other_weight``: the second choice weighted by the first choice's weight.
+* ``trap_other_weight``: the second choice weighted by the first choice's weight;
+* ``trap_fixed_capacity_dynamic``: a symbolic token count with a constant ``C = 2 * 16`` (as
+  dynamo's dynamic export keeps the example's): more than ``C`` tokens can overflow an expert.
 
 ``dynamic`` writes a symbolic token count with ``C = 2 * Shape(logits)[0]`` (the honest layer
 only). Weights are ``weights(seed)``; the tests' numpy reference reads them from the model.
@@ -45,6 +47,7 @@ CAPACITY = {
     "trap_fill_zero": Refused("routing", "-inf"),
     "trap_other_slot": Refused("combine", "slots as [T, 1, C]"),
     "trap_other_weight": Refused("combine", "weight as [T, 1]"),
+    "trap_fixed_capacity_dynamic": Refused("routing", "is a constant while the token count"),
 }
 
 
@@ -57,7 +60,7 @@ def _locations(g: Graph, mask: str, name: str, offset: str | None) -> str:
 def deepspeed_top2(variant: str = "nodrop", seed: int = 0) -> HandwrittenLayer:
     """The DeepSpeed top-2 layer ``variant`` (a key of :data:`CAPACITY`)."""
     rng = np.random.default_rng(seed)
-    dynamic = variant == "nodrop_dynamic"
+    dynamic = variant in ("nodrop_dynamic", "trap_fixed_capacity_dynamic")
     g = Graph(f"deepspeed_{variant}")
     x = g.input("x", ["T" if dynamic else TOKENS, H])
     logits = g.op("MatMul", [x, g.init("wg", normal(rng, [H, E], H))], "logits")
@@ -74,7 +77,7 @@ def deepspeed_top2(variant: str = "nodrop", seed: int = 0) -> HandwrittenLayer:
     loc0 = _locations(g, mask0, "loc0", None)
     firsts = g.op("ReduceSum", [mask0, g.const("tok_axis", [0])], "firsts", keepdims=1)
     loc1 = _locations(g, mask1, "loc1", None if variant == "trap_no_offset" else firsts)
-    if dynamic:
+    if variant == "nodrop_dynamic":
         shape = g.op("Shape", [logits], "logits_shape")
         count = g.op("Gather", [shape, g.const("zero", np.array(0, np.int64))], "count", axis=0)
         capacity = g.op("Mul", [count, g.const("two", np.array(2, np.int64))], "capacity")

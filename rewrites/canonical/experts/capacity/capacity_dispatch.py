@@ -135,9 +135,10 @@ class CanonicalCapacityDispatchPass(ir.passes.InPlacePass):
                 gate, layer = _analyse(node, logits)
             except Refusal as refusal:
                 if _recognised(node):
-                    refusal.topk = refusal.topk or node
                     self.refusals.append(refusal.recorded_by(CAPACITY_DISPATCH, node))
                 continue
+            except Exception:  # noqa: BLE001 - a graph the readers cannot read: no rewrite
+                continue  # (they only read, so nothing is half-done; the layer stays as it is)
             _rewrite(graph, gate, layer)
             modified = True
         return ir.passes.PassResult(model, modified)
