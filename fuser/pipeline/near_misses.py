@@ -21,6 +21,7 @@ from onnxscript.rewriter import pattern
 from onnx_moe_fuse.pipeline.common import label
 from onnx_moe_fuse.rewrites.graph.facts import escape_from, escape_where, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import (
+    CAPACITY_DISPATCH,
     DENSE_EXPERTS,
     EXPERT_LOOP,
     MEANING,
@@ -194,6 +195,13 @@ _ONE_HOT_UNRECOGNISED = (
 )
 
 
+_CAPACITY_UNRECOGNISED = (
+    "not recognised: a top-2 gate in argmax rounds that dispatches the tokens into per-expert "
+    "capacity slots (DeepSpeed's top2gating), which the capacity-dispatch canonicalisation could "
+    "not prove equal to the selected experts, so the layer is left as it is"
+)
+
+
 _DENSE_UNRECOGNISED = (
     "not recognised: the experts are weighted by this TopK's values scattered into dense [T, E] "
     "routing weights (a dense all-experts form), and the dense-experts canonicalisation could "
@@ -324,6 +332,8 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
                 f"{_DENSE_UNRECOGNISED}; the dense-experts pass: {dense.part}: {dense.reason}",
                 True,
             )
+    if uses & {"OneHot", "Equal"} and recorded(refusals, CAPACITY_DISPATCH, topk) is not None:
+        return _CAPACITY_UNRECOGNISED, True  # its record names the part and node
     if uses & {"OneHot", "Equal"}:
         # the expert-loop pass left this layer: its refusal says which link it could not show
         detail = recorded(refusals, EXPERT_LOOP, topk)

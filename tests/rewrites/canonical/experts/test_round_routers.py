@@ -53,9 +53,8 @@ def test_grouped_router_traps_refused(trap: str) -> None:
 @pytest.mark.parametrize(
     ("stem", "part", "op", "words"),
     [
-        # DeepSpeed's top-2 gate: the second round's masked logits are the router's; the
-        # analysis stops at the capacity locations (the dispatch), not at the router's Where
-        ("deepspeed_top2_nodrop__dynamo_op18_static", "fc1", "CumSum", "capacity dispatch"),
+        # (DeepSpeed's top-2 gate fuses now: tests/rewrites/canonical/experts/
+        # test_capacity_dispatch.py holds its layers and traps)
         # DeepSeek-V2's grouped router is read past: its flat (token, slot) rows are named
         ("deepseek_v2_moe__dynamo_op18_static", "fc1", "NonZero", "flat (token, slot) rows"),
     ],
