@@ -144,11 +144,15 @@ def test_float16_subgroup_variant_at_the_measured_width(f16_device, rng):
 
 
 def test_float16_zero_inter_and_float32_scales(f16_device, rng):
-    """inter_size 0 writes float16 zeros; float32 scales with a float16 input (T2 != T) run."""
+    """Float16 edges: inter_size 0, zero points, float32 scales with float16 activations.
+
+    inter_size 0 writes float16 zeros; explicit zero points are refused; float32 scales with
+    a float16 input (T2 != T) run.
+    """
     kernel = get_kernel("com.microsoft.QMoE")
     call, attrs = qmoe_call(rng, QMOE_CONFIGS[0], 3, 2)
     half = as_half(call)
-    e, _, h = call["fc2T"].shape[0], None, call["inputT"].shape[-1]
+    e, h = call["fc2T"].shape[0], call["inputT"].shape[-1]
     empty = {
         **half,
         "fc1T": np.zeros((e, 0, h // 2), np.uint8),
@@ -159,6 +163,11 @@ def test_float16_zero_inter_and_float32_scales(f16_device, rng):
     empty = {k: v for k, v in empty.items() if not k.endswith("BiasT")}
     out = kernel(attrs=attrs, poison_outputs=True, **empty)["outputT"]
     assert out.dtype == np.float16 and not np.isnan(out).any() and not out.any()
+    # explicit zero points: refused in float16 as in float32 (the kernel is symmetric; the
+    # verifier runs asymmetric nodes on the oracle)
+    points = np.full((e, call["fc1T"].shape[1], 1), 0x88, np.uint8)
+    with pytest.raises(KernelCallError, match="zero point"):
+        kernel(attrs=attrs, fc1ZeroPointsT=points, **half)
     mixed = {**half, "fc1ScalesT": call["fc1ScalesT"], "fc2ScalesT": call["fc2ScalesT"]}
     want = KERNEL_ORACLES["QMoE"](widened(mixed), attrs)["outputT"]
     checked_half(kernel(attrs=attrs, poison_outputs=True, **mixed)["outputT"], want, "T2 float32")
