@@ -12,8 +12,9 @@ over H or I terms) or an unwidened bias would miss it by far. Random inputs are 
 run (the ``rng`` fixture prints the seed).
 
 Decode token counts (1-3) run the decode variants (fused, gemv, split/stage) on every
-config; 64 tokens run the prefill variants (grouped, tiled) on a few configs each, since
-lavapipe compiles a tiled pipeline in several seconds.
+config; 64 tokens run each prefill variant (grouped, tiled) once, on one of the two SwiGLU
+configs, since lavapipe compiles a tiled pipeline in several seconds (the float32 tests cover
+the fusion modes on every variant; the float16 forms differ only in their loads and stores).
 """
 
 from __future__ import annotations
@@ -109,10 +110,13 @@ def f16_device(device):
     [("QMoE", QMOE_CONFIGS, qmoe_call), ("MoE", MOE_CONFIGS, moe_call)],
 )
 def test_float16_every_variant(f16_device, rng, op, configs, make_call):
-    """Decode variants on every config, prefill variants on the two SwiGLU configs."""
+    """Decode variants on every config; prefill variants split over the two SwiGLU configs."""
     kernel = get_kernel(f"com.microsoft.{op}")
     covered: Counter = Counter()
     worst = 0.0
+    ids = {v.id for v in kernel.manifest.variants}
+    expected = {v for v in ids if "zero_inter" not in v and v != SGMAT}  # tested apart
+    prefill_ids = sorted(expected - DECODE_VARIANTS)
     for i, config in enumerate(configs):
         tokens = int(rng.integers(1, 4))
         call, attrs = make_call(rng, config, tokens, int(rng.integers(2, 4)))
@@ -121,14 +125,13 @@ def test_float16_every_variant(f16_device, rng, op, configs, make_call):
         if i < 2:  # SwiGLU interleaved, and non-interleaved (QMoE fusion 2, MoE FC3)
             call, attrs = make_call(rng, config, 64, 2)
             what = f"{op} {config} T=64 attrs={attrs}"
-            prefill = run_half(kernel, op, call, attrs, what, lambda v: v not in DECODE_VARIANTS)
+            half_of = prefill_ids[i::2]  # each prefill variant once: tiled ones compile slowly
+            prefill = run_half(kernel, op, call, attrs, what, half_of.__contains__)
             assert prefill, f"{what}: no prefill variant ran"
             errors.update(prefill)
         covered.update(errors.keys())
         worst = max(worst, *errors.values())
     print(f"{op} float16: runs per variant {dict(covered)}, worst rel err {worst:.2e}")
-    ids = {v.id for v in kernel.manifest.variants}
-    expected = {v for v in ids if "zero_inter" not in v and v != SGMAT}
     assert expected <= set(covered), f"variants never run in float16: {expected - set(covered)}"
 
 
