@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kernel tests and the MoE benchmark on the GPU machine, results under $OUT.
 #
-#   bash scripts/gpu_run.sh bash scripts/gpu_measure.sh tests|bench|all
+#   bash scripts/gpu_run.sh bash scripts/gpu_measure.sh tests|bench|half|all
 #
 # Run it through scripts/gpu_run.sh (Vulkan, carried wheels, onnxruntime 1.32). One device
 # command may run 10 minutes: `tests` and `bench` fit one call each (`all` is both, for a
@@ -12,7 +12,9 @@
 #           comparison tables), $OUT/moe_kernels.png (time against tokens)
 # Both log the GPU clocks (nvidia-smi) before and after. Budgets: GPU_TESTS_S (default 480)
 # and GPU_BENCH_S (540) seconds; BENCH_ARGS adds benchmark options (default: the full-size
-# Qwen3-30B-A3B and gpt-oss-20b layers, every variant, ORT WebGPU where carried).
+# Qwen3-30B-A3B and gpt-oss-20b layers, every variant, ORT WebGPU where carried). `half` is
+# `bench` with the QMoE layers in float32 and float16, the planner's choice in each (issue 20:
+# float16 at least as fast at every size; the report's float16-vs-float32 table).
 set -uo pipefail
 mode="${1:-all}"
 OUT="${OUT:-/tmp/out}"
@@ -35,11 +37,13 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
   echo "pytest exit status $status; clocks after: $(clocks)" | tee -a "$OUT/tests.log"
 fi
 
-if [ "$mode" = bench ] || [ "$mode" = all ]; then
+if [ "$mode" = bench ] || [ "$mode" = half ] || [ "$mode" = all ]; then
   webgpu=()
   if [ -n "${ORT_WEBGPU_DIR:-}" ]; then webgpu=(--ort-webgpu "$ORT_WEBGPU_DIR"); fi
   if [ -n "${BENCH_ARGS:-}" ]; then
     read -r -a extra <<<"$BENCH_ARGS"  # split on blanks, no pathname expansion
+  elif [ "$mode" = half ]; then
+    extra=(--ops qmoe --cases '*_a3b' '*_20b' --dtype float32 float16 --chosen-only)
   else
     extra=(--cases '*_a3b' '*_20b')
   fi
