@@ -41,10 +41,13 @@ from onnx_moe_fuse.samples.handwritten_meaning_act import (
 from onnx_moe_fuse.samples.handwritten_meaning_rows import (
     rows_layout,
     scatter_combine,
+    top1_split,
     top1_squeezed,
     trap_rows_wrong_token,
     trap_scatter_wrong_token,
     trap_top1_one_minus,
+    trap_top1_split_one_minus,
+    trap_top1_split_reversed,
 )
 from onnx_moe_fuse.samples.handwritten_meaning_weights import (
     bias_rank,
@@ -88,6 +91,9 @@ MEANING: dict[str, Callable[[], HandwrittenLayer]] = {
     # k = 1
     "top1_squeezed": top1_squeezed,
     "trap_top1_one_minus": trap_top1_one_minus,
+    "top1_split": top1_split,
+    "trap_top1_split_one_minus": trap_top1_split_one_minus,
+    "trap_top1_split_reversed": trap_top1_split_reversed,
     # 8-bit per-channel weights with FC3
     "int8_channel_fc3": int8_channel_fc3,
     "trap_int8_up_other_slot": trap_int8_up_other_slot,
@@ -108,7 +114,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
              "trap_rows_wrong_token"),
     "scatter": ("combine_scatter_elements", "combine_scatter_nd", "trap_scatter_wrong_token"),
     "bias": ("bias_en_unsqueeze", "bias_e1n", "bias_after_reshape", "trap_bias_other_ids"),
-    "k1": ("top1_squeezed", "trap_top1_one_minus"),
+    "k1": ("top1_squeezed", "trap_top1_one_minus", "top1_split", "trap_top1_split_one_minus",
+           "trap_top1_split_reversed"),
     "int8_fc3": ("int8_channel_fc3", "trap_int8_up_other_slot"),
     "qwen3_flat": ("qwen3_flat_int4", "trap_qwen3_weights_slot_major"),
     "opset29": ("gmm_swish_fc3", "trap_gmm_down_other_slot"),

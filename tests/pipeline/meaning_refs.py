@@ -209,6 +209,26 @@ def ref_top1(trap: bool):
     return ref
 
 
+def ref_top1_split(trap: str | None):
+    """:func:`ref_top1` on ``[B, S, H]`` tokens, token ``t = b * S + s``.
+
+    The traps: the weight ``1 - p`` (``"one_minus"``), or the experts run on the sequence
+    reversed (``"reversed"``).
+    """
+
+    def ref(c, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        vals, idx = topk(softmax(flat @ c["wg"]), 1)
+        weight = 1.0 - vals if trap == "one_minus" else vals
+        rev = x[:, ::-1].reshape(-1, h)
+        rows = (lambda t, j: rev[t]) if trap == "reversed" else None
+        expert = swiglu_expert(f64(c["w1"]), f64(c["w3"]), f64(c["w2"]))
+        return routed(flat, weight, idx, expert, rows).reshape(b, s, -1)
+
+    return ref
+
+
 def ref_bias(rank: str):
     def ref(c, x):
         w, idx = renorm_topk(softmax(x @ c["router"]), int(c["k"][0]))
@@ -289,6 +309,9 @@ REFERENCES = {
     "trap_bias_other_ids": ref_bias("other_ids"),
     "top1_squeezed": ref_top1(False),
     "trap_top1_one_minus": ref_top1(True),
+    "top1_split": ref_top1_split(None),
+    "trap_top1_split_one_minus": ref_top1_split("one_minus"),
+    "trap_top1_split_reversed": ref_top1_split("reversed"),
     "int8_channel_fc3": ref_int8(False),
     "trap_int8_up_other_slot": ref_int8(True),
     "qwen3_flat_int4": ref_qwen3_flat(False),

@@ -355,7 +355,7 @@ def _check_depth(depth: int, ctx: Context) -> None:
         raise Departure(f"masks over {depth} experts where the router scores {ctx.experts}")
 
 
-def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
+def nonzero(node: ir.Node, mask: Meaning | None, ctx: Context) -> Meaning:
     """``NonZero`` of one expert's mask: ``[rank, R]`` index tuples of the pairs that chose it."""
     if mask is None or not isinstance(mask.term, Mask) or mask.term.expert is None:
         raise Departure("a NonZero of other than one expert's mask")
@@ -366,8 +366,14 @@ def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
             f"{mask.layout()} (rows indexed t*k + j, then a boolean index_put of each expert's "
             "outputs at its rows: not read by this analysis yet)"
         )
-    if sorted(names) != [["j"], ["t"]]:
+    # one index per axis: the token's (``t``, or ``t.hi, t.lo`` of [B, S] tokens) and the slot's
+    # (a unit slot axis at k = 1 is none); a pair (b, s) is the token b * S + s
+    pair_axes = [["j"], ["t"]], [["t"]], [["j"], ["t.hi"], ["t.lo"]], [["t.hi"], ["t.lo"]]
+    if sorted(n for n in names if n) not in pair_axes or (["j"] not in names) != (ctx.k == 1):
         raise Departure(f"a NonZero of an expert's mask laid out {mask.layout()}")
+    names = [n for n in names if n]
+    if len(names) != len(mask.axes):
+        raise Departure(f"a NonZero of an expert's mask with unit axes ({mask.layout()})")
     e = mask.term.expert
     rows = Factor(filtered_var(e), Dim.sym(f"R{e}"))
     coords = Factor("c", Dim.of(2))

@@ -106,7 +106,7 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op == "OneHot":
         return [indexing.one_hot(node, ins, ctx)]
     if op == "NonZero":
-        return [indexing.nonzero(node, first)]
+        return [indexing.nonzero(node, first, ctx)]
     if op == "Concat" and first is not None and all(v is node.inputs[0] for v in node.inputs):
         return [_copies(node, first)]
     if op == "Concat":
