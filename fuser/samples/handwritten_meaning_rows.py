@@ -32,10 +32,12 @@ __all__ = [
     "SCATTERS",
     "rows_layout",
     "scatter_combine",
+    "split_router_flat_experts",
     "top1_split",
     "top1_squeezed",
     "trap_rows_wrong_token",
     "trap_scatter_wrong_token",
+    "trap_split_router_swapped",
     "trap_top1_one_minus",
     "trap_top1_split_one_minus",
     "trap_top1_split_reversed",
@@ -298,3 +300,51 @@ def trap_top1_split_reversed(seed: int = 197) -> HandwrittenLayer:
 def trap_top1_split_one_minus(seed: int = 198) -> HandwrittenLayer:
     """Trap: :func:`top1_split` weighted by ``1 - p_top``."""
     return top1_squeezed(seed, one_minus=True, split=True)
+
+
+def split_router_flat_experts(seed: int = 199, swapped: bool = False) -> HandwrittenLayer:
+    """The router on ``[B, S, H]`` tokens as they are, the experts on their ``[T, H]`` view.
+
+    TopK over ``[B, S, E]`` scores; ids and weights Reshaped to ``[T, k]``, the ReLU experts
+    Gather-ed per slot over ``Reshape(x, [-1, H])``, the slot sum Reshaped back to ``Shape(x)``.
+    ``swapped`` (the trap): the ids Transposed to ``[S, B, k]`` before the Reshape, so token
+    ``b * S + s`` runs the experts chosen for another token.
+    """
+    rng = np.random.default_rng(seed)
+    h, i, e, k = 16, 24, 4, 2
+    g = Graph("split_router" + ("_swapped" if swapped else ""))
+    x = g.input("x", ["B", "S", h])
+    z = g.op("MatMul", [x, g.init("wg", normal(rng, (h, e), h))], "z")
+    probs = g.op("Softmax", [z], "p", axis=-1)
+    top, chosen = g.op_multi("TopK", [probs, g.init("k", [k])], ["p_top", "id_top"], axis=-1)
+    if swapped:
+        chosen = g.op("Transpose", [chosen], "id_sb", perm=[1, 0, 2])
+    ids = g.op("Reshape", [chosen, g.init("rows_k", [-1, k])], "ids")
+    weights = g.op("Reshape", [top, g.init("rows_k_w", [-1, k])], "weights")
+    rows = g.op("Reshape", [x, g.init("rows_h", [-1, h])], "rows")
+    lhs = g.op("Unsqueeze", [rows, g.init("slot_row_axes", [1, 2])], "rows_t11h")
+    w1 = g.op("Gather", [g.init("w1", normal(rng, (e, h, i), h)), ids], "w1_tk", axis=0)
+    act = g.op("Relu", [g.op("MatMul", [lhs, w1], "fc1")], "act")
+    w2 = g.op("Gather", [g.init("w2", normal(rng, (e, i, h), i)), ids], "w2_tk", axis=0)
+    out = g.op("Squeeze", [g.op("MatMul", [act, w2], "fc2"), g.init("row_axis", [2])], "slots")
+    w3 = g.op("Unsqueeze", [weights, g.init("w_last", [-1])], "weights_tk1")
+    mixed = g.op("ReduceSum", [g.op("Mul", [out, w3], "weighted"), g.init("slot_axis", [1])],
+                 "mixed", keepdims=0)  # fmt: skip
+    g.op("Reshape", [mixed, g.op("Shape", [x], "x_shape")], "y")
+    g.output("y", ["B", "S", h])
+    if swapped:
+        return HandwrittenLayer(
+            g.model(21),
+            "trap: the router's [B, S, k] ids Transposed to [S, B, k] before the experts read them",
+            Refused("fc1", "align"),
+        )
+    return HandwrittenLayer(
+        g.model(21),
+        "router on [B, S, H] tokens as they are (TopK over [B, S, E]), experts on Reshape(x, [-1, H])",
+        Fused("MoE", moe_attrs(k, "relu", normalize=0)),
+    )
+
+
+def trap_split_router_swapped(seed: int = 200) -> HandwrittenLayer:
+    """Trap: :func:`split_router_flat_experts` with the ids of another token."""
+    return split_router_flat_experts(seed, swapped=True)

@@ -229,6 +229,25 @@ def ref_top1_split(trap: str | None):
     return ref
 
 
+def ref_split_router(swapped: bool):
+    """The router on ``[B, S, H]``, ReLU experts on the ``[T, H]`` view.
+
+    ``swapped``: the ids of token ``(s, b)`` (the trap's Transpose) at token ``(b, s)``.
+    """
+
+    def ref(c, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        w, idx = topk(softmax(flat @ c["wg"]), int(c["k"][0]))
+        if swapped:
+            idx = idx.reshape(b, s, -1).transpose(1, 0, 2).reshape(b * s, -1)
+        w1, w2 = f64(c["w1"]), f64(c["w2"])
+        expert = lambda e, v: np.maximum(v @ w1[e], 0.0) @ w2[e]  # noqa: E731
+        return routed(flat, w, idx, expert).reshape(b, s, -1)
+
+    return ref
+
+
 def ref_bias(rank: str):
     def ref(c, x):
         w, idx = renorm_topk(softmax(x @ c["router"]), int(c["k"][0]))
@@ -312,6 +331,8 @@ REFERENCES = {
     "top1_split": ref_top1_split(None),
     "trap_top1_split_one_minus": ref_top1_split("one_minus"),
     "trap_top1_split_reversed": ref_top1_split("reversed"),
+    "split_router_flat_experts": ref_split_router(False),
+    "trap_split_router_swapped": ref_split_router(True),
     "int8_channel_fc3": ref_int8(False),
     "trap_int8_up_other_slot": ref_int8(True),
     "qwen3_flat_int4": ref_qwen3_flat(False),

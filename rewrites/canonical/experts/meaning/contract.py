@@ -262,6 +262,8 @@ def _expert_tokens(found: Interpretation) -> ir.Value:
     """
     rows = found.tokens
     assert rows is not None
+    if len(value_dims(rows) or ()) == 3:
+        return rows  # routed as they are: ids [B, S, k] go with the [B, S, H] rows, not a view
     readers = [u for u, _ in rows.uses() if u.op_type not in ("Shape", "Size")]
     if any(u.op_type not in ("MatMul", "Gemm") for u in readers):
         return rows  # the layer reads them too

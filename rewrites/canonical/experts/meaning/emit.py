@@ -189,7 +189,8 @@ def _finish_split(
     """FC2 and the combine of a layer routed on ``[B, S, H]`` tokens as they are.
 
     The ids are ``[B, S, k]``: the gathered-weights per-slot form, whose rules take any token
-    rank (the opset-29 GroupedMatMul takes ``[M, K]`` rows only); the output is ``[B, S, O]``.
+    rank (the opset-29 GroupedMatMul takes ``[M, K]`` rows only); the output ``[B, S, O]``, or
+    ``[T, O]`` rows where the layer's output is laid out so.
     """
     lhs = writer.node("Unsqueeze", [act, writer.ints("fc2_axes", [3])], "fc2_lhs").outputs[0]
     slots = _gathered(writer, lhs, parts.fc2, idx, "fc2")
@@ -198,7 +199,11 @@ def _finish_split(
     out = writer.node(
         "ReduceSum", [mul.outputs[0], writer.ints("slots_axes", [2])], "out", keepdims=0
     )
-    _replace_layer(found.topk.graph, writer, parts, out.outputs[0])  # type: ignore[arg-type]
+    result = out.outputs[0]
+    if parts.split_tokens is None:  # the layer's output is [T, O] rows: flatten [B, S, O] too
+        shape = writer.ints("out_rows_shape", [-1, parts.widths[1]])
+        result = writer.node("Reshape", [result, shape], "out_rows").outputs[0]
+    _replace_layer(found.topk.graph, writer, parts, result)  # type: ignore[arg-type]
 
 
 def _replayed(writer: GraphWriter, value: ir.Value, post: tuple) -> ir.Value:
