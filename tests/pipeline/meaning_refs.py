@@ -248,6 +248,26 @@ def ref_split_router(swapped: bool):
     return ref
 
 
+def ref_pair_rows(experts_run: int | None):
+    """Softmax top-k weights as they are, ReLU experts (per-expert ``w1_e``, ``w2_e``).
+
+    The trap's loop runs only the first ``experts_run`` experts (the others' pairs stay zero).
+    """
+
+    def ref(c, x):
+        w, idx = topk(softmax(x @ c["wg"]), int(c["k"][0]))
+        ran = range(experts_run) if experts_run is not None else None
+
+        def expert(e, v):
+            if ran is not None and e not in ran:
+                return np.zeros(x.shape[-1])
+            return np.maximum(v @ f64(c[f"w1_{e}"]), 0.0) @ f64(c[f"w2_{e}"])
+
+        return routed(x, w, idx, expert)
+
+    return ref
+
+
 def ref_bias(rank: str):
     def ref(c, x):
         w, idx = renorm_topk(softmax(x @ c["router"]), int(c["k"][0]))
@@ -333,6 +353,8 @@ REFERENCES = {
     "trap_top1_split_reversed": ref_top1_split("reversed"),
     "split_router_flat_experts": ref_split_router(False),
     "trap_split_router_swapped": ref_split_router(True),
+    "pair_rows_index_put": ref_pair_rows(None),
+    "trap_pair_rows_expert_missing": ref_pair_rows(3),
     "int8_channel_fc3": ref_int8(False),
     "trap_int8_up_other_slot": ref_int8(True),
     "qwen3_flat_int4": ref_qwen3_flat(False),

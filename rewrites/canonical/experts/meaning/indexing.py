@@ -394,9 +394,13 @@ def nonzero(node: ir.Node, mask: Meaning | None, ctx: Context) -> Meaning:
     if len(names) != len(mask.axes):
         raise Departure(f"a NonZero of an expert's mask with unit axes ({mask.layout()})")
     e = mask.term.expert
-    rows = Factor(filtered_var(e), Dim.sym(f"R{e}"))
-    coords = Factor("c", Dim.of(2))
-    return Meaning(((coords,), (rows,)), Coords(tuple(n[0] for n in names)))
+    order = [n[0] for n in names]
+    # pairs enumerated slot-major (a [k, T] mask) are not in the token-major order of the
+    # (token, slot) rows: their count is named apart, so the two never meet as the same rows
+    slot_major = "j" in order and order.index("j") < len(order) - 1
+    rows = Factor(filtered_var(e), Dim.sym(f"R{e}_slot_major" if slot_major else f"R{e}"))
+    coords = Factor("c", Dim.of(len(order)))
+    return Meaning(((coords,), (rows,)), Coords(tuple(order)))
 
 
 def dequantize(node: ir.Node, ins: list[Meaning | None]) -> Meaning:
