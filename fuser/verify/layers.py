@@ -39,6 +39,7 @@ from onnx_moe_fuse.errors import MoEFuseError
 from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.io.output_paths import size_text
 from onnx_moe_fuse.verify.checker import PATHS, verify
+from onnx_moe_fuse.verify.mapped_weights import UnpackFourBit, map_gathered_weights
 from onnx_moe_fuse.verify.quant_error import QuantizedTolerance
 from onnx_moe_fuse.verify.reference import (
     DEFAULT_DIM_VALUES,
@@ -125,17 +126,25 @@ def _max_rel(report: Any) -> float:
 
 
 def _reference_outputs(
-    original: onnx.ModelProto, seeds: Sequence[int]
+    original: onnx.ModelProto, base_dir: Path, seeds: Sequence[int]
 ) -> dict[int, dict[str, np.ndarray]]:
-    """The original region's outputs on each seed's fresh inputs (as :func:`verify` draws them)."""
+    """The original region's outputs on each seed's fresh inputs (as :func:`verify` draws them).
+
+    ``original``'s external weights are read from ``base_dir``: those only gathered, from
+    memory maps (:func:`.mapped_weights.map_gathered_weights`), the others into memory.
+    """
     dims = dict(DEFAULT_DIM_VALUES)
     feed_shapes(original, dims)  # FeedTooLargeError before any work
-    evaluator = reference_evaluator(original, extra_ops=(DequantizeLinear,))
+    mapped = onnx.ModelProto()
+    mapped.CopyFrom(original)
+    weights = map_gathered_weights(mapped, base_dir)
+    mapped = load_model(mapped, base_dir=base_dir)
+    evaluator = reference_evaluator(mapped, extra_ops=(DequantizeLinear, UnpackFourBit))
     names = list(evaluator.output_names)
     out = {}
     for seed in seeds:
-        feeds = random_feeds(original, int(seed), dims)
-        out[int(seed)] = dict(zip(names, evaluator.run(names, feeds), strict=True))
+        feeds = random_feeds(original, int(seed), dims)  # the inputs verify draws, not weights
+        out[int(seed)] = dict(zip(names, evaluator.run(names, {**feeds, **weights}), strict=True))
     return out
 
 
@@ -148,8 +157,7 @@ def reference_job(
 ) -> tuple[dict[int, dict[str, np.ndarray]], float]:
     """A layer's first process: the original region's outputs per seed, and its peak MiB."""
     select_before_dequantize(orig_cut)
-    orig_full = load_model(orig_cut, base_dir=original_path.parent)
-    return _reference_outputs(orig_full, seeds), _peak_mib()
+    return _reference_outputs(orig_cut, original_path.parent, seeds), _peak_mib()
 
 
 def fused_job(
