@@ -61,6 +61,7 @@ def layer_check(args, input_path, seeds, progress, verification):
     """The streaming path's check: per-layer verification of the written output (or None)."""
     if not args.verify:
         return None
+    from onnx_moe_fuse.io.weight_sink import default_jobs
     from onnx_moe_fuse.verify.layers import verify_layers
     from onnx_moe_fuse.verify.quant_error import verify_tolerance
 
@@ -76,6 +77,7 @@ def layer_check(args, input_path, seeds, progress, verification):
                 seeds=seeds,
                 quantization=verify_tolerance(report.fusions),
                 progress=shown,
+                jobs=args.jobs or default_jobs(),
             )
         )
         progress.detail = "passed" if verification["passed"] else "FAILED"

@@ -28,7 +28,7 @@ import os
 import resource
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,27 @@ def fused_job(
     return record
 
 
+def _verify_layer(
+    pool: ProcessPoolExecutor,
+    fusion: Mapping[str, Any],
+    orig_cut: onnx.ModelProto,
+    fused_cut: onnx.ModelProto,
+    paths: tuple[Path, Path],
+    seeds: tuple[int, ...],
+    quantization: QuantizedTolerance | None,
+    limit: int | None,
+) -> dict[str, Any]:
+    """One layer: its original region in one fresh process, then its fused one in the next."""
+    original_path, fused_path = paths
+    start = time.perf_counter()
+    refs, ref_peak = pool.submit(reference_job, orig_cut, original_path, seeds).result()
+    job = (fusion["name"], orig_cut, fused_cut, fused_path, seeds, quantization, limit, refs)
+    record = pool.submit(fused_job, *job).result()
+    record["seconds"] = round(time.perf_counter() - start, 3)
+    record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
+    return record
+
+
 def verify_layers(
     original_path: str | os.PathLike[str],
     fused_path: str | os.PathLike[str],
@@ -203,14 +224,17 @@ def verify_layers(
     seeds: Sequence[int] = (0, 1, 2),
     quantization: QuantizedTolerance | None = None,
     progress: Any = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Verify every fusion of ``fusions`` layer by layer; the report's ``verification`` section.
 
-    ``original_path`` and ``fused_path`` are model files (their data beside them). Returns
-    ``{"mode": "per-layer", "passed", "seeds", "estimate_mib", "layers": [...]}``, each layer
-    with its ``seconds``, ``max_rel`` (the worst relative error over paths, outputs and seeds),
-    its paths' results and messages. Raises :class:`VerifyMemoryError` before any work when the
-    largest layer's estimate exceeds the memory available.
+    ``original_path`` and ``fused_path`` are model files (their data beside them). ``jobs``
+    layers are verified at once, each in processes of its own (fewer when ``jobs`` of the
+    largest layer's estimate would not fit in the memory available). Returns
+    ``{"mode": "per-layer", "passed", "seeds", "estimate_mib", "jobs", "layers": [...]}``,
+    each layer with its ``seconds``, ``max_rel`` (the worst relative error over paths,
+    outputs and seeds), its paths' results and messages. Raises :class:`VerifyMemoryError`
+    before any work when the largest layer's estimate exceeds the memory available.
     """
     original_path, fused_path = Path(original_path), Path(fused_path)
     original = onnx.load(str(original_path), load_external_data=False)
@@ -225,35 +249,38 @@ def verify_layers(
             f"largest layer but {size_text(available)} of memory is available; free memory or "
             "fuse without --verify"
         )
+    jobs = max(1, min(int(jobs), len(cuts) or 1))
+    if available is not None and worst:
+        jobs = max(1, min(jobs, available // worst))  # each job's processes hold one layer
     limit = _binding_limit()
-    layers: list[dict[str, Any]] = []
     context = mp.get_context(
         "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     )
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(["onnx_moe_fuse.verify.layers"])
-    # fresh processes per layer: all of a layer's memory goes back when it ends (in one
-    # process glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight)
-    with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
-        for i, (fusion, orig_cut, fused_cut) in enumerate(cuts):
-            start = time.perf_counter()
-            # the original region alone in one process, the fused one in the next: each
-            # process's memory is one region's
-            refs, ref_peak = pool.submit(
-                reference_job, orig_cut, original_path, tuple(seeds)
-            ).result()
-            job = (fusion["name"], orig_cut, fused_cut, fused_path, tuple(seeds), quantization,
-                   limit, refs)  # fmt: skip
-            record = pool.submit(fused_job, *job).result()
-            record["seconds"] = round(time.perf_counter() - start, 3)
-            record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
-            layers.append(record)
+    layers: list[dict[str, Any]] = []
+    # fresh processes per region: all of its memory goes back when it ends (in one process
+    # glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight); a
+    # thread per job waits on its layer's two processes in turn
+    with (
+        ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool,
+        ThreadPoolExecutor(max_workers=jobs) as waiters,
+    ):
+        futures = [
+            waiters.submit(_verify_layer, pool, fusion, orig_cut, fused_cut,
+                           (original_path, fused_path), tuple(int(s) for s in seeds),
+                           quantization, limit)
+            for fusion, orig_cut, fused_cut in cuts
+        ]  # fmt: skip
+        for i, future in enumerate(futures):
+            layers.append(future.result())
             if progress is not None:
-                progress(i + 1, len(cuts), record)
+                progress(i + 1, len(cuts), layers[-1])
     return {
         "mode": "per-layer",
         "passed": bool(layers) and all(r["passed"] for r in layers),
         "seeds": [int(s) for s in seeds],
         "estimate_mib": round(worst / 2**20, 1),
+        "jobs": jobs,
         "layers": layers,
     }
