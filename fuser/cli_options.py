@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="worker processes repacking the fused layers' weights, each one expert at a time, "
         "and layers verified at once by per-layer --verify (default: the CPUs this process "
-        "may use; 1 repacks in the main process)",
+        "may use for repacking, one layer at a time for verifying; 1 repacks in the main "
+        "process)",
     )
     parser.add_argument(
         "--explain",
