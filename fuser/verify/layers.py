@@ -4,11 +4,13 @@ Whole-model verification (:func:`onnx_moe_fuse.verify.checker.verify`) runs both
 so it needs every weight of both in memory, several times over (a 4-layer, 361 MiB model peaked
 at 7.9 GiB). :func:`verify_layers` instead takes each fusion of the report in turn, cuts the two
 regions out of the model files (:func:`.regions.layer_models`: protos without data, types by
-shape inference), reads just that layer's weights of each from its data file, and runs the
-same checker on the pair: fresh random inputs per seed, the original region on the reference
-path (with :func:`.regions.select_before_dequantize`: only the selected experts dequantised,
-an exact identity), the fused region on ONNX Runtime and on the WebGPU kernels. Memory is then
-one layer's, whatever the model's size, and each layer's error and time are reported.
+shape inference), and runs the same checker on the pair: fresh random inputs per seed, the
+original region on the reference path (with :func:`.regions.select_before_dequantize`: only
+the selected experts dequantised, an exact identity; its gathered expert weights read from
+memory maps of the data file, :mod:`.mapped_weights`, so only the picked experts' pages are
+read), the fused region on ONNX Runtime (which maps the layer's weights from the fused data
+file itself: no copy in this process) and on the WebGPU kernels (which read them). Memory is
+then one layer's, whatever the model's size, and each layer's error and time are reported.
 
 Before it starts, :func:`estimate_bytes` sizes the largest layer's run (its weights on both
 sides, as numpy arrays and as ORT's and the adapter's copies, plus a fixed budget); when that

@@ -23,7 +23,11 @@ from onnx_moe_fuse.samples.stacked import stacked_moe_model
 from onnx_moe_fuse.streaming_io import fuse_file
 from onnx_moe_fuse.verify import layers as layers_mod
 from onnx_moe_fuse.verify.layers import VerifyMemoryError, verify_layers
-from onnx_moe_fuse.verify.mapped_weights import UnpackFourBit, map_gathered_weights
+from onnx_moe_fuse.verify.mapped_weights import (
+    MAPPED_DOMAIN,
+    UnpackFourBit,
+    map_gathered_weights,
+)
 from onnx_moe_fuse.verify.reference_dq import DequantizeLinear, _as_float32
 from onnx_moe_fuse.verify.regions import select_before_dequantize
 
@@ -213,3 +217,21 @@ def test_one_byte_codes_become_the_floats_ml_dtypes_gives(dtype):
         {"int4": TensorProto.INT4, "uint4": TensorProto.UINT4, "int8": TensorProto.INT8,
          "uint8": TensorProto.UINT8}[dtype]))  # fmt: skip
     np.testing.assert_array_equal(_as_float32(codes), codes.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [TensorProto.INT4, TensorProto.UINT4])
+def test_unpacking_picked_rows_gives_what_onnx_reads(qtype, rng):
+    packed = rng.integers(0, 256, (3, 2, 12), dtype=np.uint8)  # 3 x 2 picked experts of 4 x 6
+    node = helper.make_node("UnpackFourBit", ["p"], ["c"], domain=MAPPED_DOMAIN,
+                            data_type=qtype, dims=[4, 6])  # fmt: skip
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("p", TensorProto.UINT8, [3, 2, 12])],
+        [helper.make_tensor_value_info("c", qtype, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25),
+                                                     helper.make_opsetid(MAPPED_DOMAIN, 1)])  # fmt: skip
+    got = ReferenceEvaluator(model, new_ops=[UnpackFourBit]).run(None, {"p": packed})[0]
+    whole = helper.make_tensor("w", qtype, [6, 4, 6], packed.tobytes(), raw=True)
+    want = onnx.numpy_helper.to_array(whole).reshape(3, 2, 4, 6)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
