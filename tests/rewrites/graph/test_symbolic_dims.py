@@ -23,7 +23,8 @@ from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 MODEL = """<ir_version: 10, opset_import: ["" : 18]>
-g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias) => (float[B, S, 8] out)
+g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias, float[B, S, 8] other)
+  => (float[B, S, 8] out)
   <float[N, 8] flat> {
   flat_shape = Constant <value = int64[2] {-1, 8}> ()
   x = Reshape(hidden, flat_shape)
@@ -73,6 +74,9 @@ g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias) => (float[B, S, 8] 
   flat_target = Concat <axis = 0> (b1, rest, h)
   back_rest = Reshape(flat, flat_target)
   resid = Add(hidden, back)
+  other_shape = Shape(other)
+  other_back = Reshape(flat, other_shape)
+  other_resid = Add(hidden, other_back)
   ln_scale = Constant <value = float[8] {1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0}> ()
   normed = LayerNormalization <axis = -1> (resid, ln_scale)
 }"""
@@ -121,6 +125,7 @@ def test_dims_agree_with_onnx_runtime(graph, batch, seq):
         "hidden": rng.standard_normal((batch, seq, 8), dtype=np.float32),
         "router": rng.standard_normal((4, 8), dtype=np.float32),
         "bias": rng.standard_normal(4, dtype=np.float32),
+        "other": rng.standard_normal((batch, seq, 8), dtype=np.float32),
     }
     got = dict(zip(NAMES, sess.run(NAMES, feeds), strict=True))
     sizes = {"hidden[0]": batch, "hidden[1]": seq}
@@ -171,3 +176,12 @@ def test_a_reshape_target_is_the_output_shape(graph):
         Dim.sym("back_rest[1]"),
         Dim.of(8),
     ]
+    # a target read from another input's Shape (whatever its dim names say) is that input's
+    # sizes: the sum with the tokens is of two shapes the graph does not prove equal
+    assert value_dims(values["other_back"]) == [
+        Dim.sym("other[0]"),
+        Dim.sym("other[1]"),
+        Dim.of(8),
+    ]
+    resid = value_dims(values["other_resid"])
+    assert resid[:2] == [Dim.sym("other_resid[0]"), Dim.sym("other_resid[1]")], resid
