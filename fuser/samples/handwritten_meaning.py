@@ -43,11 +43,13 @@ from onnx_moe_fuse.samples.handwritten_meaning_pairs import (
     trap_pair_rows_expert_missing,
 )
 from onnx_moe_fuse.samples.handwritten_meaning_rows import (
+    residual_scatter,
     rows_layout,
     scatter_combine,
     split_router_flat_experts,
     top1_split,
     top1_squeezed,
+    trap_residual_scatter_rows,
     trap_rows_wrong_token,
     trap_scatter_wrong_token,
     trap_split_router_swapped,
@@ -89,6 +91,8 @@ MEANING: dict[str, Callable[[], HandwrittenLayer]] = {
     "combine_scatter_elements": partial(scatter_combine, "scatter_elements"),
     "combine_scatter_nd": partial(scatter_combine, "scatter_nd"),
     "trap_scatter_wrong_token": trap_scatter_wrong_token,
+    "combine_residual_scatter": residual_scatter,
+    "trap_residual_scatter_rows": trap_residual_scatter_rows,
     # bias ranks
     "bias_en_unsqueeze": partial(bias_rank, "en_unsqueeze"),
     "bias_e1n": partial(bias_rank, "e1n"),
@@ -124,6 +128,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "rows": ("rows_tile", "rows_gather_range", "rows_concat", "rows_expand",
              "trap_rows_wrong_token"),
     "scatter": ("combine_scatter_elements", "combine_scatter_nd", "trap_scatter_wrong_token"),
+    "scatter_residual": ("combine_residual_scatter", "trap_residual_scatter_rows"),
     "bias": ("bias_en_unsqueeze", "bias_e1n", "bias_after_reshape", "trap_bias_other_ids"),
     "k1": ("top1_squeezed", "trap_top1_one_minus", "top1_split", "trap_top1_split_one_minus",
            "trap_top1_split_reversed"),

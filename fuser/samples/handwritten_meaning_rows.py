@@ -13,10 +13,15 @@ and only the piece under test changes:
   reduction="add")`` (what ``index_add_`` exports to);
 * :func:`top1_squeezed`: k = 1 with the slot axis squeezed away (ids ``[T]``, weights ``[T, 1]``);
   its ``split`` twin routes ``[B, S, H]`` tokens as they are (ids ``[B, S]``).
+* :func:`residual_scatter`: JetMoE's dynamic spelling: the tokens are ``x + Reshape(Flatten(x),
+  Shape(x))`` (a residual plus a value whose dims only its Reshape target fixes), and the
+  ScatterND combine adds into zeros sized from ``Shape(x)``, not from the token rows.
 
 Traps: :func:`trap_rows_wrong_token` (rows gathered by ``Range(T*k) % T``, so slot j of token t
-reads another token), :func:`trap_scatter_wrong_token` (each row added into the next token) and
-:func:`trap_top1_one_minus` (the k = 1 output weighted by ``1 - p``).
+reads another token), :func:`trap_scatter_wrong_token` (each row added into the next token)
+:func:`trap_top1_one_minus` (the k = 1 output weighted by ``1 - p``) and
+:func:`trap_residual_scatter_rows` (:func:`residual_scatter` adding into zeros of ``T*k`` rows,
+``zeros_like`` of the repeated rows: the output holds ``T*k`` rows).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from onnx_moe_fuse.samples.handwritten_meaning_act import moe_attrs
 __all__ = [
     "ROW_LAYOUTS",
     "SCATTERS",
+    "residual_scatter",
     "rows_layout",
     "scatter_combine",
     "split_router_flat_experts",
     "top1_split",
     "top1_squeezed",
+    "trap_residual_scatter_rows",
     "trap_rows_wrong_token",
     "trap_scatter_wrong_token",
     "trap_split_router_swapped",
@@ -348,3 +355,59 @@ def split_router_flat_experts(seed: int = 199, swapped: bool = False) -> Handwri
 def trap_split_router_swapped(seed: int = 200) -> HandwrittenLayer:
     """Trap: :func:`split_router_flat_experts` with the ids of another token."""
     return split_router_flat_experts(seed, swapped=True)
+
+
+def residual_scatter(seed: int = 196, zeros_rows: str = "input") -> HandwrittenLayer:
+    """JetMoE's dynamic export: tokens whose count only a Reshape target fixes, zeros sized apart.
+
+    ``x`` is ``[B, S, H]``; the tokens are ``x + Reshape(Flatten(x, 2), Shape(x))`` flattened to
+    ``[B*S, H]`` (the residual plus the attention's output, reshaped to ``Shape(input_ids)``'s
+    sizes), and the ScatterND combine adds into zeros ``[Shape(x)[0] * Shape(x)[1], H]``.
+    ``zeros_rows="rows"`` (the trap) sizes the zeros from the repeated ``[T*k, H]`` rows instead.
+    """
+    dims = (32, 40, 5, 2)
+    h, _, _, k = dims
+    rng = np.random.default_rng(seed)
+    trap = zeros_rows == "rows"
+    g = Graph("combine_residual_scatter" + ("_rows" if trap else ""))
+    x3 = g.input("hidden_states", ["batch", "sequence", h])
+    shape = g.op("Shape", [x3], "x_shape")
+    attn = g.op("Reshape", [g.op("Flatten", [x3], "x_flat", axis=2), shape], "attn_out")
+    x = g.op("Reshape", [g.op("Add", [x3, attn], "resid"), g.const("flat_h", [-1, h])], "tokens")
+    weights, ids = _router(g, rng, x, dims)
+    flat_ids = g.op("Reshape", [ids, g.const("flat", [-1])], "ids_flat")
+    rows = _row_experts(g, rng, _repeat_rows(g, x, h, k, "expand"), flat_ids, dims)
+    w_col = g.op("Reshape", [weights, g.const("w_col", [-1, 1])], "row_weights")
+    weighted = g.op("Mul", [rows, w_col], "rows_weighted")  # [T*k, H]
+    if trap:
+        count = g.op("Shape", [weighted], "zeros_rows", start=0, end=1)
+    else:
+        b = g.op("Shape", [x3], "batch_dim", start=0, end=1)
+        count = g.op("Mul", [b, g.op("Shape", [x3], "seq_dim", start=1, end=2)], "zeros_rows")
+    zeros = g.op(
+        "ConstantOfShape",
+        [g.op("Concat", [count, g.const("zeros_h", [h])], "zeros_shape", axis=0)],
+        "y_zeros",
+        value=numpy_helper.from_array(np.zeros(1, np.float32)),
+    )
+    index = g.op("Unsqueeze", [_token_of_row(g, x, k), g.const("tok_last", [-1])], "tok_index")
+    g.op("ScatterND", [zeros, index, weighted], "y", reduction="add")
+    g.output("y", ["rows" if trap else "tokens", h])
+    if trap:
+        return HandwrittenLayer(
+            g.model(21),
+            "trap: residual_scatter adding into zeros of T*k rows (Shape of the repeated rows): "
+            "the output has T*k rows, the last T*(k-1) zero",
+            Refused("combine", "not proved to be the"),
+        )
+    return HandwrittenLayer(
+        g.model(21),
+        "JetMoE's dynamic spelling: tokens x + Reshape(Flatten(x), Shape(x)) flattened, ScatterND "
+        "add into zeros [Shape(x)[0] * Shape(x)[1], H]",
+        Fused("MoE", moe_attrs(k, "swiglu")),
+    )
+
+
+def trap_residual_scatter_rows(seed: int = 197) -> HandwrittenLayer:
+    """Trap: :func:`residual_scatter` with zeros of ``T*k`` rows (another dynamic count)."""
+    return residual_scatter(seed, zeros_rows="rows")

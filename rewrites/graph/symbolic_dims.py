@@ -59,6 +59,7 @@ __all__ = [
 _SAME_SHAPE = ELEMENTWISE_UNARY - {"TopK"} | {
     "Sqrt", "Reciprocal", "Abs", "Not", "IsNaN",
     "ScatterElements", "ScatterND", "Scatter",  # the output is the data input, updated
+    "RMSNormalization", "LayerNormalization",  # output 0 normalises its input (opset 23's RMS)
 }  # fmt: skip
 
 
@@ -152,9 +153,7 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         return None if axes is None else [d for i, d in enumerate(first) if i not in axes]
     if op == "Reshape":
         target = _target_dims(ins[1], memo) if len(ins) > 1 else None
-        return (
-            None if target is None else reshape_dims(first, target, attr_int(node, "allowzero", 0))
-        )
+        return None if target is None else _reshaped_dims(node, value, first, target)
     if op == "Tile":
         repeats = const_ints(ins[1]) if len(ins) > 1 else None
         if repeats is None or len(repeats) != len(first) or min(repeats, default=1) < 1:
@@ -234,6 +233,39 @@ _COMPARISONS = frozenset(
 )
 #: Reductions with ``axes`` (an input from opset 13 / 18, an attribute before) and ``keepdims``.
 _REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"})
+
+
+def _reshaped_dims(
+    node: ir.Node, value: ir.Value, first: list[Dim], target: list[int | Dim]
+) -> list[Dim] | None:
+    """A Reshape's output dims: its target applied to the input's dims, or the target alone.
+
+    Where the input's dims do not prove the element count (dims the graph does not relate to
+    the target's: JetMoE's dynamic export reshapes rows scattered into zeros of a computed shape
+    to ``[Shape(input_ids)[0], Shape(input_ids)[1], H]``), the target's sizes are still the
+    output's in every run: Reshape fails on any other count. So a size (a number or a computed
+    product) and a ``0`` copying an input dim are facts of the output; a ``-1`` (what is left,
+    unproved) is a symbol of the output's own. Nothing is claimed of the input's dims.
+    """
+    allowzero = attr_int(node, "allowzero", 0)
+    applied = reshape_dims(first, target, allowzero)
+    if applied is not None:
+        return applied
+    out, inferred = [], 0
+    for i, s in enumerate(target):
+        size = s if isinstance(s, Dim) else Dim.of(s)
+        if size.syms:
+            out.append(size)
+        elif size.coef > 0:
+            out.append(size)
+        elif size.coef == 0 and not allowzero and i < len(first):
+            out.append(first[i])
+        elif size.coef == -1 and not inferred:
+            inferred += 1
+            out.append(unknown_dim(value, i))
+        else:
+            return None  # two -1s, a 0 past the input's rank, allowzero's 0: not read here
+    return out
 
 
 def _target_dims(target: ir.Value | None, memo: dict) -> list[int | Dim] | None:

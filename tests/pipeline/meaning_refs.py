@@ -200,6 +200,20 @@ def ref_scatter_wrong_token(c, x):
     return routed(x, w, idx, expert, out_token=lambda tok: (tok + 1) % x.shape[0])
 
 
+def ref_residual_scatter(trap: bool):
+    """``x + x`` as ``[B*S, H]`` tokens through the layer; the trap's output padded to T*k rows."""
+
+    def ref(c, x3):
+        x = (x3 + x3).reshape(-1, x3.shape[-1])
+        y = ref_rows(c, x)
+        if not trap:
+            return y
+        k = int(c["topk_k"][0])
+        return np.concatenate([y, np.zeros(((k - 1) * y.shape[0], y.shape[1]))])
+
+    return ref
+
+
 def ref_top1(trap: bool):
     def ref(c, x):
         vals, idx = topk(softmax(x @ c["wg"]), 1)
@@ -344,6 +358,8 @@ REFERENCES = {
     "combine_scatter_elements": ref_rows,
     "combine_scatter_nd": ref_rows,
     "trap_scatter_wrong_token": ref_scatter_wrong_token,
+    "combine_residual_scatter": ref_residual_scatter(False),
+    "trap_residual_scatter_rows": ref_residual_scatter(True),
     **{f"bias_{n}": ref_bias(n) for n in ("en_unsqueeze", "e1n", "after_reshape")},
     "trap_bias_other_ids": ref_bias("other_ids"),
     "top1_squeezed": ref_top1(False),

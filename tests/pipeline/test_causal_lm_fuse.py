@@ -2,8 +2,7 @@
 
 The exports (``sample_models/exported/causal_lm/``, written by
 ``sample_models/export_causal_lm.py``) cover twenty families (DeepSeek-V2 twice: greedy and
-group-limited top-k; JetMoE's ParallelExperts, whose dynamic exports stay unfused today: ``KNOWN_UNFUSED``), both
-transformers experts
+group-limited top-k; JetMoE's ParallelExperts), both transformers experts
 implementations (``batched_mm``, ``grouped_mm``), dynamic and static shapes, opsets 18 and 23,
 float32 and float16 (and bfloat16 for four families at opset 18). Each record says what a correct fuser must do with each layer (``expected``
 and ``expected_layers``), written from the family's modeling code, not from what the fuser does.
@@ -36,14 +35,7 @@ REFUSAL_WORDS = {"router": ("router not fus",), "target": ("ort-cpu has no", "ke
 #: Exports whose records expect fused layers that today's fuser leaves alone, with today's
 #: near miss: their ``test_export_fuses_as_recorded`` is a strict xfail that excuses only "not
 #: yet" (nothing fused, the model byte-identical); remove the entry when the family fuses.
-_JETMOE_DYNAMIC = (
-    "the dynamic exports' MoE combine scatter-adds into zeros whose row count the analysis of "
-    "meaning cannot prove to be the token count (the static exports fuse)"
-)
-KNOWN_UNFUSED = {
-    "jetmoe_parallel_experts_dynamic_op18": _JETMOE_DYNAMIC,
-    "jetmoe_parallel_experts_dynamic_op23": _JETMOE_DYNAMIC,
-}
+KNOWN_UNFUSED: dict[str, str] = {}
 
 
 class NotYet(Exception):

@@ -4,7 +4,9 @@ optimum-onnx's dense gpt-oss sizes its layer from ``Shape`` of values the declar
 nothing about: a ``Gemm`` router, ``ConstantOfShape(Shape(logits))`` zeros, the
 ``ScatterElements`` into them, ``Tile``d and ``Slice``d rows, Reshapes to targets computed from
 ``Shape(hidden)``; other dense masks are ``OneHot`` or ``Equal`` of the indices, summed by
-``ReduceSum``; SwiGLU halves come from ``Split``. Each case checks the dims against what ONNX Runtime computes for random sizes
+``ReduceSum``; SwiGLU halves come from ``Split``. JetMoE's dynamic export reshapes values whose dims
+nothing relates to the target (rows scattered into zeros of a computed shape) to
+``Shape(input_ids)``'s sizes and adds them to the residual. Each case checks the dims against what ONNX Runtime computes for random sizes
 of the symbolic dims, so a wrong fact fails here rather than as a wrong fusion.
 """
 
@@ -21,7 +23,9 @@ from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
 
 MODEL = """<ir_version: 10, opset_import: ["" : 18]>
-g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias) => (float[B, S, 8] out) {
+g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias, float[B, S, 8] other)
+  => (float[B, S, 8] out)
+  <float[N, 8] flat> {
   flat_shape = Constant <value = int64[2] {-1, 8}> ()
   x = Reshape(hidden, flat_shape)
   logits = Gemm <transB = 1> (x, router, bias)
@@ -65,6 +69,16 @@ g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias) => (float[B, S, 8] 
   ones_shape = Constant <value = int64[1] {2}> ()
   ones = ConstantOfShape <value = int64[1] {1}> (ones_shape)
   out = Reshape(x, shape)
+  flat = Flatten <axis = 2> (hidden)
+  back = Reshape(flat, shape)
+  flat_target = Concat <axis = 0> (b1, rest, h)
+  back_rest = Reshape(flat, flat_target)
+  resid = Add(hidden, back)
+  other_shape = Shape(other)
+  other_back = Reshape(flat, other_shape)
+  other_resid = Add(hidden, other_back)
+  ln_scale = Constant <value = float[8] {1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0}> ()
+  normed = LayerNormalization <axis = -1> (resid, ln_scale)
 }"""
 
 
@@ -91,6 +105,7 @@ def _concrete(dims: list[Dim], sizes: dict[str, int]) -> list[int]:
 NAMES = [
     "logits", "logits_t", "zeros", "dense", "tiled", "odd", "whole", "stacked", "split",
     "summed", "summed_keep", "hot", "hit", "first_half", "second_half", "third_a", "third_b",
+    "back", "resid", "normed",
 ]  # fmt: skip
 
 
@@ -110,6 +125,7 @@ def test_dims_agree_with_onnx_runtime(graph, batch, seq):
         "hidden": rng.standard_normal((batch, seq, 8), dtype=np.float32),
         "router": rng.standard_normal((4, 8), dtype=np.float32),
         "bias": rng.standard_normal(4, dtype=np.float32),
+        "other": rng.standard_normal((batch, seq, 8), dtype=np.float32),
     }
     got = dict(zip(NAMES, sess.run(NAMES, feeds), strict=True))
     sizes = {"hidden[0]": batch, "hidden[1]": seq}
@@ -143,3 +159,29 @@ def test_constant_of_shape_with_an_integer_fill_is_a_shape(graph):
     values = _values(model)
     assert shape_value(values["ones"]).ints == [1, 1]
     assert shape_value(values["zeros"]) is None  # a float fill is data, not a shape
+
+
+def test_a_reshape_target_is_the_output_shape(graph):
+    """A target the input's dims do not prove is still the output's shape: Reshape fails else."""
+    _, model = graph
+    values = _values(model)
+    tokens = [Dim.sym("hidden[0]"), Dim.sym("hidden[1]"), Dim.of(8)]
+    assert value_dims(values["flat"]) == [Dim.sym("flat[0]"), Dim.of(8)]  # N: not read
+    assert value_dims(values["back"]) == tokens
+    assert value_dims(values["resid"]) == tokens  # the residual sum of two equal shapes
+    assert value_dims(values["normed"]) == tokens
+    # what -1 leaves is not proved: the output's own symbol, never the input's sequence
+    assert value_dims(values["back_rest"]) == [
+        Dim.sym("hidden[0]"),
+        Dim.sym("back_rest[1]"),
+        Dim.of(8),
+    ]
+    # a target read from another input's Shape (whatever its dim names say) is that input's
+    # sizes: the sum with the tokens is of two shapes the graph does not prove equal
+    assert value_dims(values["other_back"]) == [
+        Dim.sym("other[0]"),
+        Dim.sym("other[1]"),
+        Dim.of(8),
+    ]
+    resid = value_dims(values["other_resid"])
+    assert resid[:2] == [Dim.sym("other_resid[0]"), Dim.sym("other_resid[1]")], resid

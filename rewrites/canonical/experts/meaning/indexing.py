@@ -210,6 +210,14 @@ def _accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
     return m
 
 
+def _zeros_of_other_rows(value: ir.Value | None, ctx: Context) -> str:
+    """Why zeros ``[N, O]`` are no accumulator: ``N`` not proved to be the token count."""
+    dims = zeros_dims(value) if value is not None and is_zeros(value) else None
+    if dims is None or len(dims) != 2 or dims[0] == ctx.tokens:
+        return ""
+    return f" (zeros of {dims[0]} rows, not proved to be the {ctx.tokens} tokens)"
+
+
 def zeros_dims(value: ir.Value) -> list[Dim] | None:
     """The dims of a zeros tensor: its shape operand's where it is made from one."""
     node = value.producer()
@@ -449,7 +457,10 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if data is None:
         data = _accumulator(ctx, node.inputs[0])
     if data is None or not isinstance(data.term, ExpertSum):
-        raise Departure(f"a {node.op_type} into other than zeros or the experts' accumulated sum")
+        raise Departure(
+            f"a {node.op_type} into other than zeros or the experts' accumulated sum"
+            + _zeros_of_other_rows(node.inputs[0], ctx)
+        )
     if updates is None:
         raise Departure(f"a {node.op_type} of an undescribed value")
     if index is None:
