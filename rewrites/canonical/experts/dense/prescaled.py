@@ -61,22 +61,51 @@ _SCORE_MAPS = {
 class Prescale:
     """The tokens are scaled by ``scores`` gathered at the selection before the experts."""
 
-    scores: ir.Value  # S [T, E]
+    scores: ir.Value  # S [T, E], or the scatter before g when ``maps`` holds g
     values: ir.Value  # the TopK's values (softmaxed over the one slot: weight 1)
     sum_type: int | None = None  # the float type a widening Cast before the sum gives it
+    # g's element-wise nodes, to apply to the gathered scores: the export transposed before g,
+    # so S [T, E] is never computed (only S^T), and g is copied onto the gathered [T, 1]
+    maps: tuple[ir.Node, ...] = ()
 
 
-def _score_chain(scatter: ir.Node) -> tuple[ir.Value, list[ir.Node]]:
-    """Follow the single-use element-wise ops ``g`` from the scatter to the scores S."""
-    value, chain = scatter.outputs[0], []
+def _score_chain(scatter: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node | None]:
+    """Follow the single-use element-wise ops ``g`` from the scatter to the scores.
+
+    ``(scores, g's nodes, transpose)``: transformers transposes the scattered scores *before*
+    the sigmoid (``scatter(...).transpose(0, 1)``, then ``sigmoid``); an element-wise ``g``
+    commutes with the transpose, so a ``Transpose [1, 0]`` inside the chain is taken too and
+    returned apart, and the scores are then ``S^T [E, T]``.
+    """
+    value, chain, transpose = scatter.outputs[0], [], None
     while True:
         users = consumers(value)
-        if len(users) != 1 or users[0].op_type not in _SCORE_MAPS or users[0].domain not in STD:
-            return value, chain
-        if users[0].op_type == "Cast" and attr_int(users[0], "to", 0) not in (1, 10, 11, 16):
-            return value, chain
-        chain.append(users[0])
-        value = users[0].outputs[0]
+        if len(users) != 1 or users[0].domain not in STD:
+            return value, chain, transpose
+        user = users[0]
+        if transpose is None and is_op(user, "Transpose") and _swaps_axes(user):
+            # only mid-chain: a Transpose right before the column is the [T, E] form's
+            if consumers(user.outputs[0]) and _continues_chain(user.outputs[0]):
+                transpose, value = user, user.outputs[0]
+                continue
+            return value, chain, transpose
+        if user.op_type not in _SCORE_MAPS:
+            return value, chain, transpose
+        if user.op_type == "Cast" and attr_int(user, "to", 0) not in (1, 10, 11, 16):
+            return value, chain, transpose
+        chain.append(user)
+        value = user.outputs[0]
+
+
+def _swaps_axes(node: ir.Node) -> bool:
+    perm = node.attributes.get("perm")
+    return perm is not None and list(perm.as_ints()) == [1, 0]
+
+
+def _continues_chain(value: ir.Value) -> bool:
+    """The one consumer of ``value`` is an element-wise ``g`` op (the chain goes on)."""
+    users = consumers(value)
+    return len(users) == 1 and users[0].op_type in _SCORE_MAPS and users[0].domain in STD
 
 
 def _scatter_of_selection(routing: Routing) -> ir.Node | None:
@@ -93,15 +122,22 @@ def _scatter_of_selection(routing: Routing) -> ir.Node | None:
     return sc
 
 
-def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
-    """``Reshape(Transpose(S, [1, 0]), [-1, 1])``: S column-major as ``[E*T, 1]``."""
-    tr = only_consumer(scores, "the router scores S")
-    perm = tr.attributes.get("perm")
-    if not is_op(tr, "Transpose") or perm is None or list(perm.as_ints()) != [1, 0]:
-        raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
-    rs = only_consumer(tr.outputs[0], "the transposed scores")
-    if not is_op(rs, "Reshape") and scores.shape is not None and list(scores.shape)[:1] == [1]:
-        return tr.outputs[0], [tr]  # one token: [1, E] transposed is the column already
+def _column_of(scores: ir.Value, transposed: bool) -> tuple[ir.Value, list[ir.Node]]:
+    """``Reshape(Transpose(S, [1, 0]), [-1, 1])``: S column-major as ``[E*T, 1]``.
+
+    ``transposed``: ``scores`` is ``S^T`` already (the Transpose came before ``g``).
+    """
+    if transposed:
+        col_nodes, scores_t = [], scores
+    else:
+        tr = only_consumer(scores, "the router scores S")
+        if not is_op(tr, "Transpose") or not _swaps_axes(tr):
+            raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
+        col_nodes, scores_t = [tr], tr.outputs[0]
+    rs = only_consumer(scores_t, "the transposed scores")
+    one_token = scores_t.shape is not None and list(scores_t.shape)[1:] == [1]
+    if not is_op(rs, "Reshape") and one_token:
+        return scores_t, col_nodes  # one token: [1, E] transposed is the column already
     target = const_ints(rs.inputs[1]) if is_op(rs, "Reshape") else None
     # [-1, 1], or [n, 1] with n fixed (a static export): a Reshape of E*T elements to [n, 1]
     # runs only for n = E*T, so on every input the model runs on, it is the column
@@ -112,7 +148,7 @@ def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
         or not (target[0] == -1 or target[0] > 0)
     ):
         raise Refusal(f"{label(rs)}: the [E, T] scores are not flattened to [E*T, 1]", rs)
-    return rs.outputs[0], [tr, rs]
+    return rs.outputs[0], [*col_nodes, rs]
 
 
 def _repeated_tokens(value: ir.Value | None, tokens: ir.Value, experts: int) -> list[ir.Node]:
@@ -219,7 +255,7 @@ def read_prescaled(
     fill = fill_like_scores(scatter.inputs[0], routing)
     if fill is None:
         return None
-    scores, chain = _score_chain(scatter)
+    scores, chain, transpose = _score_chain(scatter)
     g_fill = np.asarray(fill, dtype=np.float32)
     with np.errstate(over="ignore"):
         for n in chain:
@@ -227,12 +263,19 @@ def read_prescaled(
     if not np.all(g_fill == 0):
         return None
     users = consumers(scores)
-    if len(users) != 1 or not is_op(users[0], "Transpose"):
+    next_op = "Reshape" if transpose is not None else "Transpose"
+    if len(users) != 1 or not is_op(users[0], next_op):
         return None
-    return _prove(routing, scatter, chain, scores)
+    gathered = (scatter.outputs[0], tuple(chain)) if transpose is not None else (scores, ())
+    return _prove(routing, scores, transpose is not None, gathered)
 
 
-def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.Value):
+def _prove(
+    routing: Routing,
+    scores: ir.Value,
+    transposed: bool,
+    gathered: tuple[ir.Value, tuple[ir.Node, ...]],
+):
     e = routing.experts
     with part("routing"):
         routing.require_selection()
@@ -248,7 +291,7 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
                 f"cannot read the router behind TopK '{label(routing.topk)}'", routing.topk
             )
     with part("combine"):
-        column, col_nodes = _column_of(scores)
+        column, col_nodes = _column_of(scores, transposed)
         mul = only_consumer(column, "the scores column")
         if not is_op(mul, "Mul"):
             raise Refusal(f"{label(mul)}: the scores column does not scale the tokens", mul)
@@ -278,10 +321,15 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
         combine_nodes.append(inner)
         y = inner.inputs[0]
         inner = y.producer() if y is not None else None
-    if is_op(inner, "Reshape") and const_ints(inner.inputs[1]) == shape:
+    regroup = None  # the target of the Reshape nearest the sum, if any
+    while is_op(inner, "Reshape"):  # TorchScript: view(-1, H), then reshape(E, -1, H)
+        regroup = const_ints(inner.inputs[1]) if regroup is None else regroup
         combine_nodes.append(inner)
         y = inner.inputs[0]
+        inner = y.producer() if y is not None else None
     mlp = read_mlp(y, rank=3)
+    with part("combine"):
+        _check_regroup(regroup, e, mlp, root)
     with part("fc1"):
         for p in mlp.fc1:
             if p.lhs is not view.outputs[0]:
@@ -305,7 +353,28 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
             )
     mask = DenseWeights(routing.values, None, None, [*col_nodes, mul, *tile_nodes, view])
     combine = Combine(root, None, y, combine_nodes)
-    return routing, mask, combine, mlp, Prescale(scores, routing.values, sum_type)
+    return routing, mask, combine, mlp, Prescale(gathered[0], routing.values, sum_type, gathered[1])
+
+
+def _check_regroup(regroup: list[int] | None, experts: int, mlp: ExpertMLP, root: ir.Node):
+    """The Reshapes between the experts' ``[E, T, N]`` output and the sum give it back.
+
+    A Reshape keeps the elements' row-major order, so a chain of them is the identity when
+    the last target is ``[E, -1 | n, N]`` with the experts' E and N (the middle is then T).
+    """
+    if regroup is None:
+        return
+    n = mlp.fc2.weight.shape[-1]
+    if (
+        len(regroup) != 3
+        or regroup[0] != experts
+        or regroup[2] != n
+        or not (regroup[1] == -1 or regroup[1] > 0)
+    ):
+        raise Refusal(
+            f"{label(root)}: the experts' outputs are not regrouped to [E, T, N] before the sum",
+            root,
+        )
 
 
 _WIDER = {ir.DataType.FLOAT16: {1, 11}, ir.DataType.BFLOAT16: {1, 11}, ir.DataType.FLOAT: {11}}
