@@ -13,9 +13,13 @@ import onnx
 import pytest
 from dense_forms_models import (
     Llama4Spec,
+    SharedLoopSpec,
     llama4_dense,
     llama4_reference,
     llama4_selected_reference,
+    shared_loop,
+    shared_loop_fused_reference,
+    shared_loop_reference,
 )
 
 from onnx_moe_fuse import fuse
@@ -86,3 +90,38 @@ def test_llama4_trap_refused(name: str, rng: np.random.Generator) -> None:
     if spec.k == 1:  # the trap is not what a fused top-1 node computes
         assert rel(llama4_reference(spec, x), llama4_selected_reference(spec, x)) > 1e-3
     assert_refused(llama4_dense(spec), part)
+
+
+SHARED = {
+    "product_of_sum": SharedLoopSpec(),
+    "sum_of_products": SharedLoopSpec(split_products=True),
+}
+SHARED_TRAPS = {
+    "shared_at_slots": (SharedLoopSpec(shared_at_slots=True), "combine"),
+    "shared_in_first_only": (SharedLoopSpec(shared_in_first_only=True), "combine"),
+}
+
+
+@pytest.mark.parametrize(
+    "spec", [*SHARED.values(), *(s for s, _ in SHARED_TRAPS.values())], ids=repr
+)
+def test_shared_loop_matches_numpy(spec: SharedLoopSpec, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((7, spec.hidden)).astype(np.float32)
+    assert rel(run(shared_loop(spec), x), shared_loop_reference(spec, x)) <= RTOL
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_inside_combine_fuses(name: str, rng: np.random.Generator) -> None:
+    spec = SHARED[name]
+    x = rng.standard_normal((7, spec.hidden)).astype(np.float32)
+    # the layer is the routed sum plus (sum_j w) * S: what the fused node and the term compute
+    assert rel(shared_loop_reference(spec, x), shared_loop_fused_reference(spec, x)) <= 1e-12
+    assert_fuses(shared_loop(spec), rng, spec.hidden)
+
+
+@pytest.mark.parametrize("name", SHARED_TRAPS)
+def test_shared_trap_refused(name: str, rng: np.random.Generator) -> None:
+    spec, part = SHARED_TRAPS[name]
+    x = rng.standard_normal((7, spec.hidden)).astype(np.float32)
+    assert rel(shared_loop_reference(spec, x), shared_loop_fused_reference(spec, x)) > 1e-3
+    assert_refused(shared_loop(spec), part)
