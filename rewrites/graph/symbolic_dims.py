@@ -164,9 +164,12 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         return sliced_dims(node, first)
     if op == "Split":
         return split_dims(node, value, first)
-    if op == "Expand":
-        shape = const_ints(ins[1]) if len(ins) > 1 else None
-        return None if shape is None else broadcast_dims(first, [Dim.of(s) for s in shape], value)
+    if op == "Expand":  # to constant ints, or to a shape computed at run time (Shape(x) ...)
+        shape = _target_dims(ins[1], memo) if len(ins) > 1 else None
+        if shape is None:
+            return None
+        target = [s if isinstance(s, Dim) else Dim.of(s) for s in shape]
+        return None if any(d.coef < 0 for d in target) else broadcast_dims(first, target, value)
     if op == "Transpose":
         perm = node.attributes.get("perm")
         order = list(range(len(first)))[::-1] if perm is None else [int(p) for p in perm.value]
