@@ -17,6 +17,10 @@ reading of it):
   weighted sum, ``results[t_e] += w * (expert_e(x[t_e]) + S[t_e])``, as torch.onnx (dynamo)
   traces it (``split_products``: ``w * y + w * S``). Traps: ``S`` read at the slot index instead
   of the token (other tokens' rows), and ``S`` added by expert 0 alone.
+* :func:`split_dense`: gpt-oss's dense experts as exported with dynamic shapes: the scatter
+  into ``Expand(0, Shape(logits))``, the expert outputs and the dense weights split into
+  ``[B, S]`` by Reshapes to shapes computed from ``Shape(x)``. Trap: the weights split
+  ``[E, S, B]`` and transposed to ``[E, B, S]`` (valid shapes, other tokens' weights).
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = [
     "Llama4Spec",
     "SharedLoopSpec",
+    "SplitDenseSpec",
     "llama4_dense",
     "llama4_reference",
     "llama4_selected_reference",
     "shared_loop",
     "shared_loop_fused_reference",
     "shared_loop_reference",
+    "split_dense",
+    "split_dense_reference",
 ]
 
 OPSET = 18
@@ -380,3 +387,124 @@ def shared_loop_fused_reference(spec: SharedLoopSpec, x: np.ndarray) -> np.ndarr
         ]
     )
     return routed + gate * _swiglu(w, "shared", x)
+
+
+# -- dense experts over [B, S] tokens, shapes computed at run time (gpt-oss, dynamo dynamic) ----
+
+
+@dataclass(frozen=True)
+class SplitDenseSpec:
+    """A dense all-experts layer whose combine keeps the tokens' ``[B, S]`` split."""
+
+    hidden: int = 16
+    inter: int = 12
+    experts: int = 4
+    k: int = 2
+    weights_split_swapped: bool = False  # trap: the weights split [E, S, B], then transposed
+    seed: int = 13
+
+
+def _split_weights(spec: SplitDenseSpec) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(spec.seed)
+    h, i, e = spec.hidden, spec.inter, spec.experts
+    return {
+        "router": _normal(rng, (h, e), h),
+        "gate_up": _normal(rng, (e, h, 2 * i), h),
+        "down": _normal(rng, (e, i, h), i),
+    }
+
+
+def split_dense(spec: SplitDenseSpec) -> onnx.ModelProto:
+    """gpt-oss's dense experts as torch.onnx (dynamo, dynamic shapes) exports them.
+
+    The scatter target is ``zeros_like(logits)`` (``Expand(0, Shape(logits))``), the expert
+    outputs ``Y [E, T, H]`` are split ``[E, B, S, H]`` and the dense weights ``[E, B, S]`` by
+    Reshapes to shapes computed from ``Shape(x)``, multiplied and summed over the experts.
+    """
+    w = _split_weights(spec)
+    h, e = spec.hidden, spec.experts
+    inits = [_init(n, a) for n, a in w.items()]
+    inits += [
+        _ints("k", [spec.k]),
+        _init("zero_f", np.array(0.0, dtype=np.float32)),
+        _ints("rows", [-1, h]),
+        _ints("axis0", [0]),
+        _ints("axis_last", [-1]),
+        _ints("experts", [e]),
+        _ints("minus_one", [-1]),
+        _ints("hidden", [h]),
+        _ints("stack", [e, 1, 1]),
+    ]
+    node = helper.make_node
+    nodes = [
+        node("Shape", ["x"], ["batch"], start=0, end=1),
+        node("Shape", ["x"], ["seq"], start=1, end=2),
+        node("Reshape", ["x", "rows"], ["flat"]),
+        node("MatMul", ["flat", "router"], ["logits"]),
+        node("TopK", ["logits", "k"], ["top_v", "top_i"], axis=-1),
+        node("Softmax", ["top_v"], ["top_w"], axis=1),
+        node("Shape", ["logits"], ["logits_shape"]),
+        node("Expand", ["zero_f", "logits_shape"], ["zeros_like"]),
+        node("ScatterElements", ["zeros_like", "top_i", "top_w"], ["dense"], axis=1),
+        node("Unsqueeze", ["flat", "axis0"], ["flat3"]),
+        node("Expand", ["flat3", "stack"], ["repeated"]),
+        node("MatMul", ["repeated", "gate_up"], ["gu"]),
+        node("Split", ["gu"], ["gate", "up"], axis=2, num_outputs=2),
+        node("Sigmoid", ["gate"], ["gate_sig"]),
+        node("Mul", ["gate", "gate_sig"], ["gate_silu"]),
+        node("Mul", ["up", "gate_silu"], ["act"]),
+        node("MatMul", ["act", "down"], ["y"]),
+        node("Concat", ["experts", "batch", "minus_one", "hidden"], ["y_split_shape"], axis=0),
+        node("Reshape", ["y", "y_split_shape"], ["y_split"]),
+        node("Transpose", ["dense"], ["dense_t"], perm=[1, 0]),
+    ]
+    if spec.weights_split_swapped:
+        nodes += [
+            node("Concat", ["experts", "seq", "minus_one"], ["w_split_shape"], axis=0),
+            node("Reshape", ["dense_t", "w_split_shape"], ["w_swapped"]),
+            node("Transpose", ["w_swapped"], ["w_split"], perm=[0, 2, 1]),
+        ]
+    else:
+        nodes += [
+            node("Concat", ["experts", "batch", "minus_one"], ["w_split_shape"], axis=0),
+            node("Reshape", ["dense_t", "w_split_shape"], ["w_split"]),
+        ]
+    nodes += [
+        node("Unsqueeze", ["w_split", "axis_last"], ["w4"]),
+        node("Mul", ["y_split", "w4"], ["weighted"]),
+        node("ReduceSum", ["weighted", "axis0"], ["out"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dense_split_rows",
+        [helper.make_tensor_value_info("x", F32, ["B", "S", h])],
+        [helper.make_tensor_value_info("out", F32, ["B", "S", h])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model
+
+
+def split_dense_reference(spec: SplitDenseSpec, x: np.ndarray) -> np.ndarray:
+    """``out[b, s] = sum_j softmax(top-k logits)_j * expert_{idx_j}(x[b, s])`` (or the trap's)."""
+    w = _split_weights(spec)
+    b, s, h = x.shape
+    flat = x.reshape(-1, h).astype(np.float64)
+    logits = flat @ w["router"]
+    top = np.argsort(-logits, axis=1, kind="stable")[:, : spec.k]
+    vals = np.take_along_axis(logits, top, axis=1)
+    soft = np.exp(vals - vals.max(-1, keepdims=True))
+    soft /= soft.sum(-1, keepdims=True)
+    dense = np.zeros_like(logits)
+    np.put_along_axis(dense, top, soft, axis=1)  # [T, E]
+    per_expert = []
+    for e in range(spec.experts):
+        gate, up = np.split(flat @ w["gate_up"][e], 2, axis=-1)
+        per_expert.append((up * _silu(gate)) @ w["down"][e])
+    y = np.stack(per_expert).reshape(spec.experts, b, s, h)
+    weights = dense.T.reshape(spec.experts, b, s)
+    if spec.weights_split_swapped:
+        weights = dense.T.reshape(spec.experts, s, b).transpose(0, 2, 1)
+    return (y * weights[..., None]).sum(axis=0)

@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from dense_forms_models import (
     Llama4Spec,
     SharedLoopSpec,
+    SplitDenseSpec,
     llama4_dense,
     llama4_reference,
     llama4_selected_reference,
     shared_loop,
     shared_loop_fused_reference,
     shared_loop_reference,
+    split_dense,
+    split_dense_reference,
 )
 
 from onnx_moe_fuse import fuse
+from onnx_moe_fuse.pipeline import fuse_moe_layers
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import CanonicalMeaningPass
 from onnx_moe_fuse.verify.ort_nodes import session
 
 RTOL = 1e-5
@@ -125,3 +131,40 @@ def test_shared_trap_refused(name: str, rng: np.random.Generator) -> None:
     x = rng.standard_normal((7, spec.hidden)).astype(np.float32)
     assert rel(shared_loop_reference(spec, x), shared_loop_fused_reference(spec, x)) > 1e-3
     assert_refused(shared_loop(spec), part)
+
+
+SPLIT = SplitDenseSpec()
+SPLIT_TRAP = SplitDenseSpec(weights_split_swapped=True)
+SPLIT_SHAPES = ((2, 3), (1, 5), (3, 1), (4, 4))
+
+
+@pytest.mark.parametrize("spec", [SPLIT, SPLIT_TRAP], ids=["layer", "trap"])
+def test_split_dense_matches_numpy(spec: SplitDenseSpec, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((2, 3, spec.hidden)).astype(np.float32)
+    assert rel(run(split_dense(spec), x), split_dense_reference(spec, x)) <= RTOL
+
+
+def test_split_dense_fuses(rng: np.random.Generator) -> None:
+    model = split_dense(SPLIT)
+    result = fuse(model)
+    assert fused_ops(result.model) == ["MoE"], result.report.near_misses
+    for b, s in SPLIT_SHAPES:
+        x = rng.standard_normal((b, s, SPLIT.hidden)).astype(np.float32)
+        assert rel(run(result.model, x), run(model, x).astype(np.float64)) <= RTOL
+
+
+def test_split_dense_is_read_by_the_dense_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the meaning pass: the dense canonicalisation proves the split itself."""
+
+    class NoMeaning(CanonicalMeaningPass):
+        def call(self, model: ir.Model) -> ir.passes.PassResult:
+            return ir.passes.PassResult(model, False)
+
+    monkeypatch.setattr(fuse_moe_layers, "CanonicalMeaningPass", NoMeaning)
+    assert fused_ops(fuse(split_dense(SPLIT)).model) == ["MoE"]
+
+
+def test_split_dense_trap_refused(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((2, 3, SPLIT.hidden)).astype(np.float32)
+    assert rel(split_dense_reference(SPLIT_TRAP, x), split_dense_reference(SPLIT, x)) > 1e-3
+    assert_refused(split_dense(SPLIT_TRAP), "combine")

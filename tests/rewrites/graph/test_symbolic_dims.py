@@ -28,6 +28,8 @@ g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias) => (float[B, S, 8] 
   logits_t = Gemm <transA = 1> (x, x)
   shape_of_logits = Shape(logits)
   zeros = ConstantOfShape(shape_of_logits)
+  zero_f = Constant <value = float {0.0}> ()
+  zeros_like = Expand(zero_f, shape_of_logits)
   k = Constant <value = int64[1] {2}> ()
   top_v, top_i = TopK(logits, k)
   dense = ScatterElements <axis = 1> (zeros, top_i, top_v)
@@ -89,7 +91,7 @@ def _concrete(dims: list[Dim], sizes: dict[str, int]) -> list[int]:
 
 
 NAMES = [
-    "logits", "logits_t", "zeros", "dense", "tiled", "odd", "whole", "stacked", "split",
+    "logits", "logits_t", "zeros", "zeros_like", "dense", "tiled", "odd", "whole", "stacked", "split",
     "summed", "summed_keep", "hot", "hit", "first_half", "second_half", "third_a", "third_b",
 ]  # fmt: skip
 
@@ -122,6 +124,8 @@ def test_symbols_follow_the_computation(graph):
     values = _values(model)
     rows = Dim(1, ("hidden[0]", "hidden[1]"))
     assert value_dims(values["dense"]) == [rows, Dim.of(4)]
+    # Expand to a shape computed at run time: the dims of that shape (torch's zeros_like)
+    assert value_dims(values["zeros_like"]) == [rows, Dim.of(4)]
     assert value_dims(values["split"]) == [
         Dim.of(4),
         Dim.sym("hidden[0]"),
