@@ -14,16 +14,18 @@ import onnx_ir as ir
 import pytest
 from dense_forms_models import (
     Llama4Spec,
-    SharedLoopSpec,
     SplitDenseSpec,
     llama4_dense,
     llama4_reference,
     llama4_selected_reference,
+    split_dense,
+    split_dense_reference,
+)
+from dense_forms_shared import (
+    SharedLoopSpec,
     shared_loop,
     shared_loop_fused_reference,
     shared_loop_reference,
-    split_dense,
-    split_dense_reference,
 )
 
 from onnx_moe_fuse import fuse

@@ -25,14 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-from onnx.reference import ReferenceEvaluator
 
 from onnx_moe_fuse.rewrites.canonical.experts.dense.combine import Combine
 from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     STD,
-    const_array,
     const_ints,
     consumers,
     is_op,
@@ -43,6 +40,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP, read_mlp
 from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import DenseWeights, fill_like_scores
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, read_routing
+from onnx_moe_fuse.rewrites.canonical.experts.dense.zero_rows import maps_zero_to_zero
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, label
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
@@ -181,57 +179,6 @@ def _one_row_expanded(node: ir.Node | None, experts: int) -> bool:
     return len(shape) == 2 and shape[0] == experts and shape[1] in (1, src[1])
 
 
-def _zero_row_is_zero(mlp: ExpertMLP) -> bool:
-    """Every expert maps a zero row to zero: no biases, and act(0, ...) = 0 (evaluated)."""
-    if any(p.bias is not None for p in (*mlp.fc1, mlp.fc2)):
-        return False
-    inputs, inits, produced = [], [], {id(o) for n in mlp.act_nodes for o in n.outputs}
-    feeds: dict[str, np.ndarray] = {}
-    names: dict[int, str] = {}
-    for j, p in enumerate(mlp.fc1):
-        # float32 zeros: every op of an activation maps 0 to the same in any float type
-        # one row of the projection's rank (a stacked [E, T, N] activation splits along axis 2)
-        row = (1,) * (len(p.weight.shape) - 1) + (int(p.weight.shape[-1]),)
-        feeds[f"fc1_{j}"] = np.zeros(row, dtype=np.float32)
-        names[id(p.out)] = f"fc1_{j}"
-        inputs.append(onnx.helper.make_tensor_value_info(f"fc1_{j}", 1, None))
-    nodes = []
-    for n in mlp.act_nodes:
-        ins = []
-        for v in n.inputs:
-            if v is None:
-                ins.append("")
-                continue
-            if id(v) not in names:
-                if id(v) in produced:
-                    names[id(v)] = f"v{len(names)}"
-                else:
-                    array = const_array(v)
-                    if array is None:
-                        return False
-                    names[id(v)] = f"c{len(names)}"
-                    inits.append(onnx.numpy_helper.from_array(np.asarray(array), names[id(v)]))
-            ins.append(names[id(v)])
-        outs = []
-        for o in n.outputs:
-            names.setdefault(id(o), f"v{len(names)}")
-            outs.append(names[id(o)])
-        attrs = {k: a.value for k, a in n.attributes.items() if not a.is_ref()}
-        nodes.append(onnx.helper.make_node(n.op_type, ins, outs, **attrs))
-    out_name = names.get(id(mlp.act_out))
-    if out_name is None:
-        return False
-    graph = onnx.helper.make_graph(
-        nodes, "act", inputs, [onnx.helper.make_tensor_value_info(out_name, 1, None)], inits
-    )
-    try:
-        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
-        (out,) = ReferenceEvaluator(model).run(None, feeds)
-    except Exception:  # noqa: BLE001 - an activation the evaluator cannot run is not proved
-        return False
-    return bool(np.all(np.asarray(out) == 0))
-
-
 def read_prescaled(
     topk: ir.Node,
 ) -> tuple[Routing, DenseWeights, Combine, ExpertMLP, Prescale] | None:
@@ -344,7 +291,7 @@ def _prove(
                 f"stacked weights {mlp.fc2.weight.shape} are not [E, K, N]", mlp.fc2.nodes[0]
             )
     with part("activation"):
-        if not _zero_row_is_zero(mlp):
+        if not maps_zero_to_zero(mlp):
             raise Refusal(
                 "the unselected experts read zero rows, and an expert does not map a zero row "
                 "to zero (a bias, or an activation that is not 0 at 0): they would add to the "
