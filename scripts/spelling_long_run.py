@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = [mark, sum(c.values()), *(c[k] for k in MUTANT_KINDS)]
         print(_row(m, [*cells, sum(a.values()), a["refused"]]))
     _reasons(base_ok, "mutants on supported bases", "refused")
+    others = [(c, o) for c, o in mutants if not _others_supported(c, "mutation")]
+    _reasons(others, "mutants on the other bases", "refused")
     return 0
 
 

@@ -21,6 +21,7 @@ from onnxscript.rewriter import pattern
 from onnx_moe_fuse.pipeline.common import label
 from onnx_moe_fuse.rewrites.graph.facts import escape_from, escape_where, value_label
 from onnx_moe_fuse.rewrites.graph.refusals import (
+    CAPACITY_DISPATCH,
     DENSE_EXPERTS,
     EXPERT_LOOP,
     MEANING,
@@ -194,6 +195,13 @@ _ONE_HOT_UNRECOGNISED = (
 )
 
 
+_CAPACITY_UNRECOGNISED = (
+    "not recognised: a top-2 gate in argmax rounds that dispatches the tokens into per-expert "
+    "capacity slots (DeepSpeed's top2gating), which the capacity-dispatch canonicalisation could "
+    "not prove equal to the selected experts, so the layer is left as it is"
+)
+
+
 _DENSE_UNRECOGNISED = (
     "not recognised: the experts are weighted by this TopK's values scattered into dense [T, E] "
     "routing weights (a dense all-experts form), and the dense-experts canonicalisation could "
@@ -324,6 +332,8 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
                 f"{_DENSE_UNRECOGNISED}; the dense-experts pass: {dense.part}: {dense.reason}",
                 True,
             )
+    if uses & {"OneHot", "Equal"} and recorded(refusals, CAPACITY_DISPATCH, topk) is not None:
+        return _CAPACITY_UNRECOGNISED, True  # its record names the part and node
     if uses & {"OneHot", "Equal"}:
         # the expert-loop pass left this layer: its refusal says which link it could not show
         detail = recorded(refusals, EXPERT_LOOP, topk)
@@ -335,17 +345,31 @@ def _unrecognised_reason(topk: ir.Node, refusals: Sequence[Refusal]) -> tuple[st
     return None, True
 
 
-#: The parts in the order the layer computes them.
-_LAYER_ORDER = ("tokens", "fc1", "activation", "fc2", "combine")
+#: The parts in the order the layer computes them (the routing selects before any of them).
+_LAYER_ORDER = ("routing", "tokens", "fc1", "activation", "fc2", "combine")
+
+
+#: The parts whose rule refusals are about the form alone where the analysis of meaning read
+#: them: the rows a projection reads and the projection itself are index semantics, which the
+#: analysis reads whatever the spelling (activations, FC2 and the combine it reads as terms
+#: whose behaviour the rules prove, so their refusals stay the reason).
+_FORM_PARTS = ("tokens", "fc1")
 
 
 def departs_before(departs: Refusal, refusal: Refusal) -> bool:
-    """The meaning departs at a part before the one the rule failed at (its failure follows)."""
+    """Whether the analysis of meaning's departure, not the rule's refusal, names the layer's node.
+
+    Where the meaning departs at a part before the one the rule failed at (its failure follows),
+    or after a tokens/FC1 refusal of the rule: the analysis read those rows and projections as
+    the contract's, so the rule's failure there was its form, and the meaning's node is the
+    first that departs.
+    """
     if refusal.part is None:
         return True
     if departs.part not in _LAYER_ORDER or refusal.part not in _LAYER_ORDER:
         return False
-    return _LAYER_ORDER.index(departs.part) < _LAYER_ORDER.index(refusal.part)
+    at, failed = _LAYER_ORDER.index(departs.part), _LAYER_ORDER.index(refusal.part)
+    return at < failed or (at > failed and refusal.part in _FORM_PARTS)
 
 
 def pointing_record(refusals: list[Refusal], topk: ir.Node) -> Refusal | None:

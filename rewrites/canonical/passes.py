@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.canonical.experts.capacity.capacity_dispatch import (
+    CanonicalCapacityDispatchPass,
+)
 from onnx_moe_fuse.rewrites.canonical.experts.dense.dense_experts import (
     CanonicalDenseExpertsPass,
 )
@@ -41,6 +44,7 @@ def canonicalisation_passes(refusals: list[Refusal] | None = None) -> list[ir.pa
         NormalizeSpellingsPass(),
         CanonicalSlotsPass(),
         CanonicalExpertLoopPass(refusals),
+        CanonicalCapacityDispatchPass(refusals),
         CanonicalDenseExpertsPass(refusals),
         CanonicalSortedExpertsPass(refusals),
     ]

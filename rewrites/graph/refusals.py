@@ -41,6 +41,7 @@ __all__ = [
     "DENSE_EXPERTS",
     "EXPERT_LOOP",
     "MEANING",
+    "CAPACITY_DISPATCH",
     "PARTS",
     "REPORT_KEYS",
     "SORTED_EXPERTS",
@@ -74,6 +75,7 @@ DENSE_EXPERTS = "dense-experts"
 EXPERT_LOOP = "expert-loop"
 SORTED_EXPERTS = "sorted-experts"
 MEANING = "meaning"
+CAPACITY_DISPATCH = "capacity-dispatch"
 
 
 def source_label(item: ir.Node | ir.Value) -> str:

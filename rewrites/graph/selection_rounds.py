@@ -38,7 +38,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     static_rank,
 )
 
-__all__ = ["SelectionRound", "same_topk", "selection_round"]
+__all__ = ["SelectionRound", "is_router_projection", "same_topk", "selection_round"]
 
 _STD = ("", "ai.onnx")
 _MAX_ROUNDS = 8
@@ -110,6 +110,11 @@ def _is_projection(value: ir.Value) -> bool:
             value = next(v for v in node.inputs if v is not None and const_array(v) is None)
             node = value.producer()
     return node is not None and node.domain in _STD and node.op_type in ("MatMul", "Gemm")
+
+
+def is_router_projection(value: ir.Value) -> bool:
+    """Router logits with finite rows: a ``MatMul``/``Gemm`` of the tokens (+ a constant)."""
+    return _is_projection(value)
 
 
 def selection_round(indices: ir.Value | None) -> SelectionRound | None:

@@ -127,7 +127,9 @@ SHAPES = ("static", "symbolic")
 MUTATIONS = (
     "softmax_axis",  # the router Softmax normalises over another axis than the experts
     "topk_axis",  # TopK selects along another axis than the experts
-    "swap_gate_up",  # the SiLU's sigmoid reads the up projection instead of the gate
+    # the SiLU's factor is the up projection (up * sigmoid(gate) * up); gpt-oss's sigmoid reads
+    # the clamped up instead of the gate (its other terms make that no swapped SwiGLU either)
+    "swap_gate_up",
     "fc2_other_indices",  # FC2 gathers experts by other indices than FC1
     "erf_gelu",  # exact (erf) GELU where MoE's gelu is the tanh approximation
     "dropped_clamp",  # gpt-oss SwiGLU with the gate clamp removed (the linear clamp kept)

@@ -235,8 +235,10 @@ class _Layer:
 
     def swiglu(self, gate: str, up: str) -> str:
         g = self.g
-        sig_in = up if self.mutation == "swap_gate_up" else gate
-        silu = g.node("Mul", [gate, g.node("Sigmoid", [sig_in], "gate_sigmoid")], "gate_silu")
+        # swap_gate_up: the SiLU's factor is the up projection, up * sigmoid(gate) * up (the
+        # sigmoid reading up instead, gate * sigmoid(up) * up, is SwiGLU with the roles swapped)
+        x = up if self.mutation == "swap_gate_up" else gate
+        silu = g.node("Mul", [x, g.node("Sigmoid", [gate], "gate_sigmoid")], "gate_silu")
         return g.node("Mul", [silu, up], "act")
 
     def swiglu_oss(self, gate: str, up: str) -> str:

@@ -45,8 +45,8 @@ def activation(layer: _Layer, h: str) -> str:
     if c.activation == "swiglu_exp":
         i = c.inter
         gate, up = g.node("Split", [h, g.i64(i, i)], "fc1_half", outputs=2, axis=-1)
-        sig_in = up if layer.mutation == "swap_gate_up" else gate
-        return g.node("Mul", [_exp_silu(layer, gate, sig_in), up], "act")
+        x = up if layer.mutation == "swap_gate_up" else gate  # up * sigmoid(gate) * up
+        return g.node("Mul", [_exp_silu(layer, x, gate), up], "act")
     assert c.activation == "gelu_tanh_hand", c.activation
     cube = g.node("Pow", [h, g.f32(3.0)], "gelu_cube")
     inner = g.node("Add", [h, g.node("Mul", [cube, g.f32(0.044715)], "gelu_c3")], "gelu_inner")

@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, const_array, const_ints, node_axes
+from onnx_moe_fuse.rewrites.graph.numpy_ops import BINARY_OPS, UNARY_OPS
 
 __all__ = [
     "const_shape",
@@ -221,31 +222,6 @@ def _is_scalar_reshape(node: ir.Node) -> bool:
 
 # -- elementwise chains ------------------------------------------------------------------------
 
-_COMPARE: dict[str, Callable] = {
-    "Less": np.less,
-    "LessOrEqual": np.less_equal,
-    "Greater": np.greater,
-    "GreaterOrEqual": np.greater_equal,
-    "Equal": np.equal,
-    "And": np.logical_and,
-    "Or": np.logical_or,
-    "Xor": np.logical_xor,
-}
-_ARITH: dict[str, Callable] = {
-    "Add": np.add,
-    "Sub": np.subtract,
-    "Mul": np.multiply,
-    "Min": np.minimum,
-    "Max": np.maximum,
-}
-_UNARY: dict[str, Callable] = {
-    "Not": np.logical_not,
-    "IsNaN": np.isnan,
-    "Neg": np.negative,
-    "Abs": np.abs,
-    "Identity": lambda a: a,
-}
-
 
 def elementwise_eval(value: ir.Value, leaf: ir.Value, samples: np.ndarray) -> np.ndarray | None:
     """``value`` evaluated with ``leaf`` set to ``samples``, when ``value`` is elementwise in it.
@@ -295,14 +271,14 @@ def _eval_node(node: ir.Node, ev: Callable[[ir.Value], np.ndarray | None]) -> np
     if op == "Where":
         args = [ev(x) for x in node.inputs]
         return None if any(a is None for a in args) else np.where(*args)
-    fn = _COMPARE.get(op) or _ARITH.get(op)
+    fn = BINARY_OPS.get(op)
     if fn is not None and len(node.inputs) == 2:
         a, b = ev(node.inputs[0]), ev(node.inputs[1])
         if a is None or b is None:
             return None
         with np.errstate(all="ignore"):
             return np.asarray(fn(a, b))
-    if op in _UNARY:
+    if op in UNARY_OPS:
         a = ev(node.inputs[0])
-        return None if a is None else np.asarray(_UNARY[op](a))
+        return None if a is None else np.asarray(UNARY_OPS[op](a))
     return None

@@ -38,6 +38,7 @@ from onnx_moe_fuse.rewrites.moe.behaviour.probes import (
     Deviation,
     atol_for,
     deviation,
+    in_dtype,
     probe_values,
     rtol_for,
     small_values,
@@ -202,7 +203,7 @@ def _params(consts: dict[str, list[float]]) -> tuple[np.ndarray, np.ndarray, lis
     return np.array(alphas), np.array(betas), limits
 
 
-def _screen(model, g, u, alphas, betas, limits, rtol, atol) -> np.ndarray:
+def _screen(model, g, u, alphas, betas, limits, rtol, atol, dtype) -> np.ndarray:
     """Per (limit, alpha, beta), how far off on the probes given (vectorised).
 
     The fraction of disagreeing probes, then (squashed below one probe's share) the worst
@@ -215,12 +216,13 @@ def _screen(model, g, u, alphas, betas, limits, rtol, atol) -> np.ndarray:
             lc = u if limit is None else np.clip(u, -limit, limit)
             glu = gc[None, :] * _sigmoid(alphas[:, None] * gc[None, :])  # [A, S]
             lin = lc[None, :] + betas[:, None]  # [B, S]
-            c = glu[:, None, :] * lin[None, :, :]  # [A, B, S]
+            c = in_dtype(glu[:, None, :] * lin[None, :, :], dtype)  # [A, B, S]
             scale = np.abs(gc) * (np.abs(lc)[None, :] + np.abs(betas)[:, None])  # [B, S]
             tol = rtol * (np.abs(c) + scale[None]) + atol * (1 + np.abs(lin))[None]
             diff = np.abs(model[None, None, :] - c)
             d = np.where(diff == 0, 0.0, diff / np.maximum(tol, 1e-300))
             d = np.where(np.isnan(d) | np.isinf(diff), np.inf, d)
+            d = np.where(model[None, None, :] == c, 0.0, d)  # equal infinities agree
             worst[i] = np.mean(d > 1.0, axis=2) + np.arctan(d.max(axis=2)) / np.pi * 1e-3
     return worst
 
@@ -228,6 +230,7 @@ def _screen(model, g, u, alphas, betas, limits, rtol, atol) -> np.ndarray:
 def _fit_swiglu(probe: _Probe, consts: dict[str, list[float]], rtol: float, atol: float):
     """The best (deviation, alpha, beta, limit, swapped) over the parameter candidates."""
     alphas, betas, limits = _params(consts)
+    dtype = probe.model.dtype
     model = probe.model.reshape(-1).astype(np.float64)
     first = probe.first.reshape(-1).astype(np.float64)
     second = probe.second.reshape(-1).astype(np.float64)  # type: ignore[union-attr]
@@ -235,7 +238,9 @@ def _fit_swiglu(probe: _Probe, consts: dict[str, list[float]], rtol: float, atol
     scored = []
     for swapped in (False, True):
         g, u = (second, first) if swapped else (first, second)
-        worst = _screen(model[sample], g[sample], u[sample], alphas, betas, limits, rtol, atol)
+        worst = _screen(
+            model[sample], g[sample], u[sample], alphas, betas, limits, rtol, atol, dtype
+        )
         for i, a, b in zip(
             *np.unravel_index(np.argsort(worst, axis=None)[:_KEEP], worst.shape), strict=True
         ):
@@ -245,7 +250,7 @@ def _fit_swiglu(probe: _Probe, consts: dict[str, list[float]], rtol: float, atol
     for _, alpha, beta, limit, swapped in scored[:_KEEP]:
         g, u = (second, first) if swapped else (first, second)
         c, s, m = swiglu(g, u, alpha, beta, limit)
-        d = deviation(model, c, s, rtol, atol * (1 + m))
+        d = deviation(model, in_dtype(c, dtype), s, rtol, atol * (1 + m))
         if best is None or d.rank < best[0].rank:
             best = (d, alpha, beta, limit, swapped)
         if d.agrees:
@@ -293,9 +298,8 @@ def prove_activation(
         tried = []
         for kind in (k for k in ("identity", "relu", "silu", "gelu") if k in offered):
             x = probe.first
-            d = deviation(
-                probe.model, single_candidate(kind, x), np.abs(x.astype(np.float64)), rtol, atol
-            )
+            want = in_dtype(single_candidate(kind, x), probe.model.dtype)
+            d = deviation(probe.model, want, np.abs(x.astype(np.float64)), rtol, atol)
             if d.agrees:
                 return kind, deps[:, 0].copy(), (1.0, 0.0, None)
             tried.append((d, kind, None, False))

@@ -27,7 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Deviation", "atol_for", "deviation", "probe_values", "rtol_for", "small_values"]
+__all__ = [
+    "Deviation",
+    "atol_for",
+    "deviation",
+    "in_dtype",
+    "probe_values",
+    "rtol_for",
+    "small_values",
+]
 
 _F32 = np.float32
 _BASE = np.array(
@@ -97,6 +105,19 @@ class Deviation:
     def rank(self) -> tuple[float, float]:
         """How far off, for naming the closest candidate: fewest disagreeing probes, then worst."""
         return (self.failing, self.worst)
+
+
+def in_dtype(candidate: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``candidate`` (float64) where it overflows ``dtype``: there the fused op's output is ±inf.
+
+    The fused op computes in float32 (or wider) and rounds its output to the layer's type once,
+    so a value past that type's largest finite one (float16: 65504) comes out as an infinity of
+    its sign, as the region's does; every other value is kept unrounded (the tolerance covers
+    rounding).
+    """
+    with np.errstate(all="ignore"):
+        rounded = candidate.astype(dtype).astype(np.float64)
+    return np.where(np.isinf(rounded) & np.isfinite(candidate), rounded, candidate)
 
 
 def deviation(

@@ -8,8 +8,10 @@ alone); a few go through the whole pipeline and are compared with ORT CPU on the
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from activation_layers import BASE, fuse_and_compare, prove_standalone, with_activation
+from onnx import numpy_helper
 
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
 
@@ -140,6 +142,33 @@ def test_swiglu_spellings_are_recognised_with_their_parameters(name: str) -> Non
     assert activation == "swiglu"
     assert got_columns.tolist() == columns
     assert got[0] == pytest.approx(params[0], rel=1e-7) and got[1:] == params[1:]
+
+
+def _f16_tensor(value: float) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(value, dtype=np.float16))
+
+
+def test_float16_swiglu_overflowing_where_the_fused_output_does_too_is_recognised() -> None:
+    # gate / (1 + exp(-gate)) * up in float16: at gate 6.7, up 1e4 the product passes 65504 and
+    # the region gives inf; the fused op rounds its float32 result to float16 once, also inf
+    def write(o, h):
+        g, u = _halves(o, h)
+        glu = o.Div(g, o.Add(o.node("Constant", value=_f16_tensor(1.0)), o.Exp(o.Neg(g))))
+        return o.Mul(glu, u)
+
+    activation, columns, params = prove_standalone(write, (8,), 4, dtype=np.float16)
+    assert activation == "swiglu" and columns.tolist() == CONCAT and params == (1.0, 0.0, None)
+
+
+def test_float16_swiglu_overflowing_where_the_fused_output_does_not_is_refused() -> None:
+    # (gate * up) * sigmoid(gate): at gate -10, up 1e4 the float16 product is -inf before the
+    # sigmoid's 4.5e-5 would bring it back to -4.5: not the fused op in float16
+    def write(o, h):
+        g, u = _halves(o, h)
+        return o.Mul(o.Mul(g, u), o.Sigmoid(g))
+
+    with pytest.raises(Refusal, match="swiglu"):
+        prove_standalone(write, (8,), 4, dtype=np.float16)
 
 
 def test_two_projections_gate_and_up_in_either_role() -> None:

@@ -62,6 +62,8 @@ _ELEMENTWISE = frozenset(
         "Clip",
         "Swish",
         "HardSigmoid",
+        "Pow",  # a cube in a hand-written tanh GELU (its exponent a constant scalar)
+        "Reciprocal",
     }
 )
 _MS_ELEMENTWISE = frozenset({"FastGelu", "Gelu", "QuickGelu"})

@@ -48,32 +48,15 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import is_const, small_const
 from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, node_axes, normalize_axes
+from onnx_moe_fuse.rewrites.graph.numpy_ops import BINARY_OPS, COMPARISONS, UNARY_OPS
 
 __all__ = ["CountMix", "IdTable", "Uniform", "id_transfer"]
 
 _BINS = count()
 
 #: Elementwise ops evaluated on tables: numpy's are ONNX's on small integer-valued inputs.
-_TABLE_OPS = {
-    "Less": np.less,
-    "LessOrEqual": np.less_equal,
-    "Greater": np.greater,
-    "GreaterOrEqual": np.greater_equal,
-    "Equal": np.equal,
-    "And": np.logical_and,
-    "Or": np.logical_or,
-    "Xor": np.logical_xor,
-    "Not": np.logical_not,
-    "IsNaN": np.isnan,
-    "Add": np.add,
-    "Sub": np.subtract,
-    "Mul": np.multiply,
-    "Neg": np.negative,
-    "Abs": np.abs,
-    "Identity": lambda a: a,
-    "Where": np.where,
-}
-_COMPARE = ("Less", "LessOrEqual", "Greater", "GreaterOrEqual")
+_TABLE_OPS = {**BINARY_OPS, **UNARY_OPS, "Where": np.where}
+_COMPARE = COMPARISONS
 
 
 @dataclass(frozen=True, eq=False)

@@ -62,8 +62,9 @@ __all__ = [
 #: What the layer needs next after a value of each progress (the near miss's "expected").
 EXPECTED = {
     -1: (
-        "a top-k selection: round j the top-1 of the router logits with the experts of rounds "
-        "0..j-1 scattered to -inf (column j of TopK(logits, k))"
+        "a top-k selection of experts: a TopK along the router scores' last axis, or in rounds, "
+        "round j the top-1 of the router logits with the experts of rounds 0..j-1 scattered to "
+        "-inf (column j of TopK(logits, k))"
     ),
     0: "the tokens gathered per slot, projected by each slot's expert (FC1)",
     1: "the tokens projected by the expert weights gathered at the ids (FC1)",

@@ -25,6 +25,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import (
     DepartureAt,
     Interpretation,
     interpret_layer,
+    router_rows,
     twins,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
@@ -63,10 +64,36 @@ def _experts(topk: ir.Node) -> int | None:
     return None if last.syms else last.coef
 
 
+def _off_the_expert_axis(topk: ir.Node) -> DepartureAt | None:
+    """A routing departure for a TopK of a router's scores along other than their expert axis.
+
+    Its indices then number tokens (or batch rows), not experts, whatever reads them; a TopK
+    of scores that no router projection of token rows computes is not a routing at all (a
+    sampler's, say) and gets no departure.
+    """
+    dims = value_dims(topk.inputs[0]) if topk.inputs else None
+    axis = topk.attributes.get("axis")
+    if dims is None or axis is None or len(topk.outputs) < 2 or dims[-1].syms:
+        return None
+    if router_rows(topk) is None:
+        return None
+    why = (
+        f"a selection along axis {axis.value} of its router scores (of shape "
+        f"[{', '.join(str(d) for d in dims)}]), not along their last axis, the "
+        f"{dims[-1].coef} experts: its indices do not number experts"
+    )
+    return DepartureAt(topk, why, -1, ())
+
+
 def analyse_topk(topk: ir.Node, order: dict[int, int]) -> tuple[Interpretation | None, object]:
     """The interpretation around ``topk`` and its :class:`~.contract.LayerParts` or departure."""
     experts = _experts(topk)
-    if experts is None or len(topk.outputs) < 2:
+    if experts is None:
+        off_axis = _off_the_expert_axis(topk)
+        if off_axis is None:
+            return None, None
+        return Interpretation(topk, None, 0, value_dims(topk.inputs[0])[-1].coef), off_axis
+    if len(topk.outputs) < 2:
         return None, None
     in_rounds = round_departure(topk)
     if in_rounds is not None:  # a top-1 round of a selection: the router, not the layer

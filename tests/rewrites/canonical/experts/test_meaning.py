@@ -8,10 +8,8 @@ agree with every fast path: each layer the generated samples fuse is described b
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 import onnx_moe_fuse
@@ -20,78 +18,45 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import LayerParts
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import interpret_layer
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import analyse_topk
 from onnx_moe_fuse.samples.registry import all_samples
+from tests.rewrites.canonical.experts.meaning_checks import assert_fuses, assert_refused
 from tests.rewrites.canonical.experts.meaning_models import (
     COMBINES,
     DENSE_TRAPS,
     FLAT_TRAPS,
     LOOP_TRAPS,
     ROWS,
-    H,
     dense_layer,
     flat_layer,
     loop_layer,
 )
 
-TOL = 1e-5
-
-
-def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, {"x": x})[0]
-
-
-def _assert_fuses(model: onnx.ModelProto, seed: int) -> None:
-    result = onnx_moe_fuse.fuse(model)
-    ops = [n.op_type for n in result.model.graph.node]
-    assert ops.count("MoE") == 1, (ops, result.report.near_misses)
-    rng = np.random.default_rng(seed)
-    for tokens in (1, 7):
-        x = rng.standard_normal((tokens, H)).astype(np.float32)
-        want, got = _run(model, x), _run(result.model, x)
-        err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-        assert err <= TOL, f"rel err {err:.2e} at {tokens} tokens"
-
-
-def _assert_refused(model: onnx.ModelProto) -> dict:
-    before = model.SerializeToString()
-    result = onnx_moe_fuse.fuse(model)
-    assert result.model.SerializeToString() == before
-    assert result.report.near_misses, "a refused layer needs a near miss"
-    for miss in result.report.near_misses:
-        assert miss["part"], miss
-        assert miss["node"], miss
-        assert not miss["reason"].startswith("not recognised"), miss
-    return result.report.near_misses[0]
-
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("combine", COMBINES)
 def test_flat_layouts_and_combines_fuse(rows: str, combine: str) -> None:
-    _assert_fuses(flat_layer(rows, combine, seed=len(rows) + len(combine)), seed=1)
+    assert_fuses(flat_layer(rows, combine, seed=len(rows) + len(combine)), seed=1)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_flat_other_k(k: int) -> None:
-    _assert_fuses(flat_layer("gather_range", "scatter_nd", k=k, seed=k), seed=2)
+    assert_fuses(flat_layer("gather_range", "scatter_nd", k=k, seed=k), seed=2)
 
 
 def test_flat_with_biases_of_other_ranks() -> None:
-    _assert_fuses(flat_layer("expand_reshape", "reshape_sum", bias=True, seed=3), seed=3)
+    assert_fuses(flat_layer("expand_reshape", "reshape_sum", bias=True, seed=3), seed=3)
 
 
 def test_scatter_without_reduction_fuses_at_top1() -> None:
     """Each token writes its one slot once: overwriting is adding into zeros."""
     model = flat_layer("gather_range", "scatter_nd", k=1, trap="scatter_overwrite", seed=4)
-    _assert_fuses(model, seed=4)
+    assert_fuses(model, seed=4)
 
 
 @pytest.mark.parametrize("trap", FLAT_TRAPS)
 def test_flat_traps_refused(trap: str) -> None:
     rows = "gather_range" if trap == "rows_by_slot" else "expand_reshape"
     combine = "scatter_nd" if trap == "scatter_overwrite" else "reshape_sum"
-    miss = _assert_refused(flat_layer(rows, combine, trap=trap, seed=5))
+    miss = assert_refused(flat_layer(rows, combine, trap=trap, seed=5))
     if trap == "scatter_overwrite":
         assert "overwrite" in miss["reason"]
     if trap == "rows_by_slot":
@@ -99,12 +64,12 @@ def test_flat_traps_refused(trap: str) -> None:
 
 
 def test_expert_loop_fuses() -> None:
-    _assert_fuses(loop_layer(seed=6), seed=6)
+    assert_fuses(loop_layer(seed=6), seed=6)
 
 
 @pytest.mark.parametrize("trap", LOOP_TRAPS)
 def test_expert_loop_traps_refused(trap: str) -> None:
-    miss = _assert_refused(loop_layer(trap=trap, seed=7))
+    miss = assert_refused(loop_layer(trap=trap, seed=7))
     if trap == "missing_expert":
         assert miss["part"] == "combine"
 
@@ -150,10 +115,10 @@ def _parts(model: onnx.ModelProto):
 
 def test_dense_layer_is_the_contract_and_fuses() -> None:
     assert isinstance(_parts(dense_layer(seed=9)), LayerParts)
-    _assert_fuses(dense_layer(seed=9), seed=9)
+    assert_fuses(dense_layer(seed=9), seed=9)
 
 
 @pytest.mark.parametrize("trap", DENSE_TRAPS)
 def test_dense_traps_refused(trap: str) -> None:
     assert not isinstance(_parts(dense_layer(trap=trap, seed=10)), LayerParts)
-    _assert_refused(dense_layer(trap=trap, seed=10))
+    assert_refused(dense_layer(trap=trap, seed=10))

@@ -14,8 +14,8 @@ import pytest
 from onnx_moe_fuse.pipeline.canonicalise import canonicalise
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import LayerParts
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.meaning_pass import analyse_topk
+from tests.rewrites.canonical.experts.meaning_checks import assert_fuses, assert_refused
 from tests.rewrites.canonical.experts.meaning_sorted_models import SORTED_TRAPS, histc_layer
-from tests.rewrites.canonical.experts.test_meaning import _assert_fuses, _assert_refused
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ def test_sorted_histc_layer_fuses(
     k: int, scale_before: bool, base: bool, route_scale: float
 ) -> None:
     model = histc_layer(seed=11, k=k, scale_before=scale_before, base=base, route_scale=route_scale)
-    _assert_fuses(model, seed=12)
+    assert_fuses(model, seed=12)
 
 
 def test_histc_counts_are_each_experts_count() -> None:
@@ -44,7 +44,7 @@ def test_histc_counts_are_each_experts_count() -> None:
 
 @pytest.mark.parametrize("trap", SORTED_TRAPS)
 def test_sorted_traps_refused(trap: str) -> None:
-    miss = _assert_refused(histc_layer(trap=trap, seed=13))
+    miss = assert_refused(histc_layer(trap=trap, seed=13))
     if trap == "histc_off_by_one":
         assert miss["part"] == "fc1" and "Split" in miss["reason"], miss
         assert "M = " in miss["reason"], miss  # the mix the counts are instead

@@ -8,13 +8,10 @@ token counts; each trap must be left byte-identical with a near miss naming a pa
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
 import pytest
 
 import onnx_moe_fuse
-from tests.pipeline.meaning_refs import ort_run
-from tests.rewrites.canonical.experts.meaning_models import H
+from tests.rewrites.canonical.experts.meaning_checks import assert_fuses, assert_refused
 from tests.rewrites.canonical.experts.round_models import (
     GROUPED_TRAPS,
     ROUND_TRAPS,
@@ -22,39 +19,14 @@ from tests.rewrites.canonical.experts.round_models import (
     rounds_layer,
 )
 
-TOL = 1e-5
-
-
-def _assert_fuses(model: onnx.ModelProto, seed: int, token_counts=(1, 7)) -> None:  # noqa: ANN001
-    result = onnx_moe_fuse.fuse(model)
-    ops = [n.op_type for n in result.model.graph.node]
-    assert ops.count("MoE") == 1, (ops, result.report.near_misses)
-    rng = np.random.default_rng(seed)
-    for tokens in token_counts:
-        x = rng.standard_normal((tokens, H)).astype(np.float32)
-        want, got = ort_run(model, {"x": x}), ort_run(result.model, {"x": x})
-        err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-        assert err <= TOL, f"rel err {err:.2e} at {tokens} tokens"
-
-
-def _assert_refused(model: onnx.ModelProto) -> dict:
-    before = model.SerializeToString()
-    result = onnx_moe_fuse.fuse(model)
-    assert result.model.SerializeToString() == before
-    assert result.report.near_misses, "a refused layer needs a near miss"
-    for miss in result.report.near_misses:
-        assert miss["part"] and miss["node"], miss
-        assert not miss["reason"].startswith("not recognised"), miss
-    return result.report.near_misses[0]
-
 
 def test_argmax_rounds_fuse() -> None:
-    _assert_fuses(rounds_layer(seed=11), seed=11)
+    assert_fuses(rounds_layer(seed=11), seed=11)
 
 
 @pytest.mark.parametrize("trap", ROUND_TRAPS)
 def test_argmax_round_traps_refused(trap: str) -> None:
-    _assert_refused(rounds_layer(trap=trap, seed=12))
+    assert_refused(rounds_layer(trap=trap, seed=12))
     misses = onnx_moe_fuse.fuse(rounds_layer(trap=trap, seed=12)).report.near_misses
     if trap == "weights_swapped":  # the rounds are a selection; the weights are not its slots
         assert any(m["part"] == "combine" and m["node"].startswith("Mul") for m in misses)
@@ -64,26 +36,25 @@ def test_argmax_round_traps_refused(trap: str) -> None:
 
 
 def test_grouped_router_with_expert_loop_fuses() -> None:
-    _assert_fuses(grouped_layer(seed=13), seed=13)
+    assert_fuses(grouped_layer(seed=13), seed=13)
 
 
 def test_static_zeros_accumulator_with_as_many_tokens_as_experts() -> None:
     """``zeros_like(x)`` of T = E = 4 rows is the accumulator, not a stack of expert biases."""
-    _assert_fuses(grouped_layer(seed=14, static_tokens=4), seed=14, token_counts=(4,))
+    assert_fuses(grouped_layer(seed=14, static_tokens=4), seed=14, token_counts=(4,))
 
 
 @pytest.mark.parametrize("trap", GROUPED_TRAPS)
 def test_grouped_router_traps_refused(trap: str) -> None:
-    miss = _assert_refused(grouped_layer(trap=trap, seed=15))
+    miss = assert_refused(grouped_layer(trap=trap, seed=15))
     assert miss["part"] == "routing", miss
 
 
 @pytest.mark.parametrize(
     ("stem", "part", "op", "words"),
     [
-        # DeepSpeed's top-2 gate: the second round's masked logits are the router's; the
-        # analysis stops at the capacity locations (the dispatch), not at the router's Where
-        ("deepspeed_top2_nodrop__dynamo_op18_static", "fc1", "CumSum", "capacity dispatch"),
+        # (DeepSpeed's top-2 gate fuses now: tests/rewrites/canonical/experts/
+        # test_capacity_dispatch.py holds its layers and traps)
         # DeepSeek-V2's grouped router is read past: its flat (token, slot) rows are named
         ("deepseek_v2_moe__dynamo_op18_static", "fc1", "NonZero", "flat (token, slot) rows"),
     ],
