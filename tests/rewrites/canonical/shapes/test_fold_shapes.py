@@ -486,11 +486,11 @@ def test_grouped_matmul_body_becomes_the_per_slot_form(rng, bias):
 def test_grouped_matmul_body_layer_fuses_after_the_pass(rng, bias, k, monkeypatch):
     """Top-2 with and without biases, and top-1 (S = 1: the body's Expand is a no-op)."""
     model = grouped_matmul_layer(rng, bias=bias, k=k)
-    with monkeypatch.context() as m:  # the rules alone: they may read the body's shapes too
+    with monkeypatch.context() as m:  # the rules alone: the shape arithmetic hides the layer
         m.setattr(
             "onnx_moe_fuse.pipeline.canonicalise.canonicalisation_passes", lambda refusals=None: []
         )
-        alone = fuse(model)  # (symbolic dims follow its Expand to Shape-computed targets)
+        assert not fuse(model).report.fusions
     canonical, _ = run_pass(model)
     result = fuse(canonical)
     assert len(result.report.fusions) == 1, result.report.near_misses
@@ -498,10 +498,8 @@ def test_grouped_matmul_body_layer_fuses_after_the_pass(rng, bias, k, monkeypatc
     assert [n.op_type for n in fused.graph.node if n.domain == "com.microsoft"] == ["MoE"]
     for t in (1, 7):
         feeds = {"x": rng.standard_normal((t, 16)).astype(np.float32)}
-        (want,), (got,), (got_alone,) = (ort_run(m, feeds) for m in (model, fused, alone.model))
+        (want,), (got,) = ort_run(model, feeds), ort_run(fused, feeds)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
-        tol = 1e-5 * float(np.abs(want).max())
-        np.testing.assert_allclose(got_alone, want, rtol=1e-4, atol=tol)
 
 
 # -- every sample ------------------------------------------------------------------------------
