@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         action=_Once,
         type=int,
         metavar="N",
-        help="worker processes repacking the fused layers' weights, each one expert at a time "
-        "(default: the CPUs this process may use; 1 repacks in the main process)",
+        help="worker processes repacking the fused layers' weights, each one expert at a time, "
+        "and layers verified at once by per-layer --verify (default: the CPUs this process "
+        "may use for repacking, one layer at a time for verifying; 1 repacks in the main "
+        "process)",
     )
     parser.add_argument(
         "--explain",

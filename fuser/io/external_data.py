@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from onnx_moe_fuse.errors import ExternalDataError
 from onnx_moe_fuse.io.model_check import all_tensors, is_external, location_of
 
-__all__ = ["check_external", "load_external", "resolve_external_file"]
+__all__ = ["check_external", "load_external", "map_external", "resolve_external_file"]
 
 _SUB_BYTE_BITS = {
     onnx.TensorProto.INT4: 4,
@@ -193,3 +194,14 @@ def load_external(
         tensor.raw_data = _read(tensor, span, name)
         tensor.data_location = onnx.TensorProto.DEFAULT
         del tensor.external_data[:]
+
+
+def map_external(
+    tensor: onnx.TensorProto, base_dir: Path, model_path: Path | None, name: str
+) -> np.memmap:
+    """An external ``tensor``'s bytes as a read-only memory map, nothing read yet.
+
+    Checked as :func:`load_external` checks them; pages are read as they are touched, only those.
+    """
+    data_path, offset, want = _span(tensor, base_dir, model_path, name)
+    return np.memmap(data_path, dtype=np.uint8, mode="r", offset=offset, shape=(want,))

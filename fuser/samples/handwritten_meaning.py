@@ -38,13 +38,22 @@ from onnx_moe_fuse.samples.handwritten_meaning_act import (
     trap_silu_off,
     trap_softmax_token_axis,
 )
+from onnx_moe_fuse.samples.handwritten_meaning_pairs import (
+    pair_rows_index_put,
+    trap_pair_rows_expert_missing,
+)
 from onnx_moe_fuse.samples.handwritten_meaning_rows import (
     rows_layout,
     scatter_combine,
+    split_router_flat_experts,
+    top1_split,
     top1_squeezed,
     trap_rows_wrong_token,
     trap_scatter_wrong_token,
+    trap_split_router_swapped,
     trap_top1_one_minus,
+    trap_top1_split_one_minus,
+    trap_top1_split_reversed,
 )
 from onnx_moe_fuse.samples.handwritten_meaning_weights import (
     bias_rank,
@@ -88,6 +97,14 @@ MEANING: dict[str, Callable[[], HandwrittenLayer]] = {
     # k = 1
     "top1_squeezed": top1_squeezed,
     "trap_top1_one_minus": trap_top1_one_minus,
+    "top1_split": top1_split,
+    "trap_top1_split_one_minus": trap_top1_split_one_minus,
+    "trap_top1_split_reversed": trap_top1_split_reversed,
+    "split_router_flat_experts": split_router_flat_experts,
+    "trap_split_router_swapped": trap_split_router_swapped,
+    # expert rows written back by a boolean index_put (element-wise ScatterND)
+    "pair_rows_index_put": pair_rows_index_put,
+    "trap_pair_rows_expert_missing": trap_pair_rows_expert_missing,
     # 8-bit per-channel weights with FC3
     "int8_channel_fc3": int8_channel_fc3,
     "trap_int8_up_other_slot": trap_int8_up_other_slot,
@@ -108,7 +125,10 @@ FAMILIES: dict[str, tuple[str, ...]] = {
              "trap_rows_wrong_token"),
     "scatter": ("combine_scatter_elements", "combine_scatter_nd", "trap_scatter_wrong_token"),
     "bias": ("bias_en_unsqueeze", "bias_e1n", "bias_after_reshape", "trap_bias_other_ids"),
-    "k1": ("top1_squeezed", "trap_top1_one_minus"),
+    "k1": ("top1_squeezed", "trap_top1_one_minus", "top1_split", "trap_top1_split_one_minus",
+           "trap_top1_split_reversed"),
+    "split_router": ("split_router_flat_experts", "trap_split_router_swapped"),
+    "pair_rows": ("pair_rows_index_put", "trap_pair_rows_expert_missing"),
     "int8_fc3": ("int8_channel_fc3", "trap_int8_up_other_slot"),
     "qwen3_flat": ("qwen3_flat_int4", "trap_qwen3_weights_slot_major"),
     "opset29": ("gmm_swish_fc3", "trap_gmm_down_other_slot"),

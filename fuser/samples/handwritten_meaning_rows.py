@@ -11,7 +11,8 @@ and only the piece under test changes:
 * :func:`scatter_combine`: the weighted rows summed into their tokens by
   ``ScatterElements(zeros, token_of_row, rows, reduction="add")`` or by ``ScatterND(...,
   reduction="add")`` (what ``index_add_`` exports to);
-* :func:`top1_squeezed`: k = 1 with the slot axis squeezed away (ids ``[T]``, weights ``[T, 1]``).
+* :func:`top1_squeezed`: k = 1 with the slot axis squeezed away (ids ``[T]``, weights ``[T, 1]``);
+  its ``split`` twin routes ``[B, S, H]`` tokens as they are (ids ``[B, S]``).
 
 Traps: :func:`trap_rows_wrong_token` (rows gathered by ``Range(T*k) % T``, so slot j of token t
 reads another token), :func:`trap_scatter_wrong_token` (each row added into the next token) and
@@ -31,10 +32,15 @@ __all__ = [
     "SCATTERS",
     "rows_layout",
     "scatter_combine",
+    "split_router_flat_experts",
+    "top1_split",
     "top1_squeezed",
     "trap_rows_wrong_token",
     "trap_scatter_wrong_token",
+    "trap_split_router_swapped",
     "trap_top1_one_minus",
+    "trap_top1_split_one_minus",
+    "trap_top1_split_reversed",
 ]
 
 #: The ways :func:`rows_layout` repeats the token rows.
@@ -217,41 +223,61 @@ def trap_scatter_wrong_token(seed: int = 193) -> HandwrittenLayer:
     return scatter_combine("scatter_elements", seed, shift=1)
 
 
-def top1_squeezed(seed: int = 194, one_minus: bool = False) -> HandwrittenLayer:
+def top1_squeezed(
+    seed: int = 194, one_minus: bool = False, split: bool = False, reversed_rows: bool = False
+) -> HandwrittenLayer:
     """k = 1 with the slot axis squeezed away: ids ``[T]``, output times the top probability.
 
     ``one_minus`` (the trap): the output is weighted by ``1 - p_top``, no router's weight.
+    ``split``: the tokens ``[B, S, H]`` routed and projected as they are, never flattened (ids
+    ``[B, S]``, weights gathered ``[B, S, H, I]``); ``reversed_rows`` (a trap, with ``split``):
+    the experts run on the sequence reversed, so token ``(b, s)`` gets the experts of
+    ``(b, S - 1 - s)``.
     """
     rng = np.random.default_rng(seed)
     h, i, e = 32, 64, 4
-    g = Graph("top1" if not one_minus else "top1_trap")
-    x = g.input("x", ["T", h])
+    g = Graph(("top1" if not one_minus else "top1_trap") + ("_split" if split else ""))
+    token_dims = ["B", "S"] if split else ["T"]
+    x = g.input("x", [*token_dims, h])
+    slot = len(token_dims)  # the slot axis of the ids, the row axis of the tokens
     probs = g.op(
         "Softmax", [g.op("MatMul", [x, g.init("wg", normal(rng, (h, e), h))], "z")], "p", axis=-1
     )
     p1, id1 = g.op_multi("TopK", [probs, g.init("one", [1])], ["p_top", "id_top"], axis=-1)
-    ids = g.op("Squeeze", [id1, g.init("sq_axis", [1])], "expert_of_token")  # [T]
-    x3 = g.op("Unsqueeze", [x, g.init("mid", [1])], "x_t1h")
+    ids = g.op("Squeeze", [id1, g.init("sq_axis", [slot])], "expert_of_token")  # [T]
+    if reversed_rows:
+        big, axis = np.iinfo(np.int64).min, [1]
+        starts, ends = g.init("rev_start", [-1]), g.init("rev_end", [big])
+        steps, axes = g.init("rev_step", [-1]), g.init("rev_axis", axis)
+        x = g.op("Slice", [x, starts, ends, axes, steps], "x_reversed")
+    x3 = g.op("Unsqueeze", [x, g.init("mid", [slot])], "x_t1h")
     w1 = g.op("Gather", [g.init("w1", normal(rng, (e, h, i), h)), ids], "w1_t", axis=0)
     w3 = g.op("Gather", [g.init("w3", normal(rng, (e, h, i), h)), ids], "w3_t", axis=0)
     a = g.op("MatMul", [x3, w1], "a")
     b = g.op("MatMul", [x3, w3], "b")
     act = g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a], "sa")], "silu_a"), b], "ab")
     w2 = g.op("Gather", [g.init("w2", normal(rng, (e, i, h), i)), ids], "w2_t", axis=0)
-    out = g.op("Squeeze", [g.op("MatMul", [act, w2], "o3"), g.init("mid_sq", [1])], "o")
+    out = g.op("Squeeze", [g.op("MatMul", [act, w2], "o3"), g.init("mid_sq", [slot])], "o")
     if one_minus:
         p1 = g.op("Sub", [g.init("one_f", np.array(1.0, np.float32)), p1], "p_rest")
     g.op("Mul", [out, p1], "y")
-    g.output("y", ["T", h])
+    g.output("y", [*token_dims, h])
+    shape = "[B, S] (tokens [B, S, H] never flattened)" if split else "[T]"
+    if reversed_rows:
+        return HandwrittenLayer(
+            g.model(21),
+            f"trap: k = 1 layer (ids {shape}) whose experts run on the sequence reversed",
+            Refused("fc1", "slice of the tokens"),
+        )
     if one_minus:
         return HandwrittenLayer(
             g.model(21),
-            "trap: k = 1 layer whose output is weighted by 1 - p_top",
+            f"trap: k = 1 layer (ids {shape}) whose output is weighted by 1 - p_top",
             Refused("routing", "weight"),
         )
     return HandwrittenLayer(
         g.model(21),
-        "k = 1: TopK(1) ids squeezed to [T], weights gathered [T, H, I], output times p_top",
+        f"k = 1: TopK(1) ids squeezed to {shape}, weights gathered per token, output times p_top",
         Fused("MoE", moe_attrs(1, "swiglu", normalize=0)),
     )
 
@@ -259,3 +285,66 @@ def top1_squeezed(seed: int = 194, one_minus: bool = False) -> HandwrittenLayer:
 def trap_top1_one_minus(seed: int = 195) -> HandwrittenLayer:
     """Trap: :func:`top1_squeezed` weighted by ``1 - p_top``."""
     return top1_squeezed(seed, one_minus=True)
+
+
+def top1_split(seed: int = 196) -> HandwrittenLayer:
+    """:func:`top1_squeezed` on ``[B, S, H]`` tokens routed as they are."""
+    return top1_squeezed(seed, split=True)
+
+
+def trap_top1_split_reversed(seed: int = 197) -> HandwrittenLayer:
+    """Trap: :func:`top1_split` whose experts run on the sequence reversed."""
+    return top1_squeezed(seed, split=True, reversed_rows=True)
+
+
+def trap_top1_split_one_minus(seed: int = 198) -> HandwrittenLayer:
+    """Trap: :func:`top1_split` weighted by ``1 - p_top``."""
+    return top1_squeezed(seed, one_minus=True, split=True)
+
+
+def split_router_flat_experts(seed: int = 199, swapped: bool = False) -> HandwrittenLayer:
+    """The router on ``[B, S, H]`` tokens as they are, the experts on their ``[T, H]`` view.
+
+    TopK over ``[B, S, E]`` scores; ids and weights Reshaped to ``[T, k]``, the ReLU experts
+    Gather-ed per slot over ``Reshape(x, [-1, H])``, the slot sum Reshaped back to ``Shape(x)``.
+    ``swapped`` (the trap): the ids Transposed to ``[S, B, k]`` before the Reshape, so token
+    ``b * S + s`` runs the experts chosen for another token.
+    """
+    rng = np.random.default_rng(seed)
+    h, i, e, k = 16, 24, 4, 2
+    g = Graph("split_router" + ("_swapped" if swapped else ""))
+    x = g.input("x", ["B", "S", h])
+    z = g.op("MatMul", [x, g.init("wg", normal(rng, (h, e), h))], "z")
+    probs = g.op("Softmax", [z], "p", axis=-1)
+    top, chosen = g.op_multi("TopK", [probs, g.init("k", [k])], ["p_top", "id_top"], axis=-1)
+    if swapped:
+        chosen = g.op("Transpose", [chosen], "id_sb", perm=[1, 0, 2])
+    ids = g.op("Reshape", [chosen, g.init("rows_k", [-1, k])], "ids")
+    weights = g.op("Reshape", [top, g.init("rows_k_w", [-1, k])], "weights")
+    rows = g.op("Reshape", [x, g.init("rows_h", [-1, h])], "rows")
+    lhs = g.op("Unsqueeze", [rows, g.init("slot_row_axes", [1, 2])], "rows_t11h")
+    w1 = g.op("Gather", [g.init("w1", normal(rng, (e, h, i), h)), ids], "w1_tk", axis=0)
+    act = g.op("Relu", [g.op("MatMul", [lhs, w1], "fc1")], "act")
+    w2 = g.op("Gather", [g.init("w2", normal(rng, (e, i, h), i)), ids], "w2_tk", axis=0)
+    out = g.op("Squeeze", [g.op("MatMul", [act, w2], "fc2"), g.init("row_axis", [2])], "slots")
+    w3 = g.op("Unsqueeze", [weights, g.init("w_last", [-1])], "weights_tk1")
+    mixed = g.op("ReduceSum", [g.op("Mul", [out, w3], "weighted"), g.init("slot_axis", [1])],
+                 "mixed", keepdims=0)  # fmt: skip
+    g.op("Reshape", [mixed, g.op("Shape", [x], "x_shape")], "y")
+    g.output("y", ["B", "S", h])
+    if swapped:
+        return HandwrittenLayer(
+            g.model(21),
+            "trap: the router's [B, S, k] ids Transposed to [S, B, k] before the experts read them",
+            Refused("fc1", "align"),
+        )
+    return HandwrittenLayer(
+        g.model(21),
+        "router on [B, S, H] tokens as they are (TopK over [B, S, E]), experts on Reshape(x, [-1, H])",
+        Fused("MoE", moe_attrs(k, "relu", normalize=0)),
+    )
+
+
+def trap_split_router_swapped(seed: int = 200) -> HandwrittenLayer:
+    """Trap: :func:`split_router_flat_experts` with the ids of another token."""
+    return split_router_flat_experts(seed, swapped=True)

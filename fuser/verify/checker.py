@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -144,6 +145,7 @@ def verify(
     quantization: QuantizedTolerance | None = None,
     reference_ops: Sequence[Any] = (),
     references: Mapping[int, Mapping[str, np.ndarray]] | None = None,
+    fused_data_folder: str | os.PathLike[str] | None = None,
 ) -> VerificationReport:
     """Check that ``fused`` computes what ``original`` computes, on random inputs.
 
@@ -169,6 +171,10 @@ def verify(
             :func:`~onnx_moe_fuse.verify.reference.random_feeds` (per-layer verification runs
             the original region first and lets its weights go before the fused one loads);
             ``original`` then needs no weights (its graph inputs and outputs are read).
+        fused_data_folder: ``fused`` is a ModelProto whose weights are still in their
+            external data files, in this folder: ORT maps them from there itself, and only
+            the wgpu path reads them into memory (per-layer verification: one copy, not
+            three, of a layer's weights in the process).
 
     Returns:
         A :class:`VerificationReport`; ``passed`` is False, with messages naming the path,
@@ -184,7 +190,9 @@ def verify(
     if not seeds:
         raise ValueError("verify needs at least one seed")
     original_p = load_model(original)
-    fused_p = load_model(fused)
+    if fused_data_folder is not None and not isinstance(fused, onnx.ModelProto):
+        raise TypeError("fused_data_folder needs the fused model as an onnx.ModelProto")
+    fused_p = load_model(fused) if fused_data_folder is None else fused
     dims = {**DEFAULT_DIM_VALUES, **(dim_values or {})}
     feed_shapes(original_p, dims)  # FeedTooLargeError now, before kernels or sessions load
     results = {p: PathResult(p) for p in dict.fromkeys(paths)}
@@ -205,13 +213,18 @@ def verify(
             results["wgpu"].status = "skipped"
             results["wgpu"].reason = "; ".join(missing.values())
         else:
-            runners["wgpu"] = _wgpu_runner(fused_p)
+            fused_w = (
+                fused_p
+                if fused_data_folder is None
+                else load_model(fused_p, base_dir=Path(fused_data_folder))
+            )
+            runners["wgpu"] = _wgpu_runner(fused_w)
             results["wgpu"].notes.extend(
-                f"{node}: {why}" for node, why in reference_only_nodes(fused_p).items()
+                f"{node}: {why}" for node, why in reference_only_nodes(fused_w).items()
             )
     inexact = ort_inexact_reasons(fused_p) if "ort" in results else []
     if "ort" in results:
-        prepare_ort(results["ort"], fused_p, runners, messages)
+        prepare_ort(results["ort"], fused_p, runners, messages, fused_data_folder)
 
     original_outputs = [o.name for o in original_p.graph.output]
     fused_outputs = {o.name for o in fused_p.graph.output}

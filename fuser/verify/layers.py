@@ -4,11 +4,13 @@ Whole-model verification (:func:`onnx_moe_fuse.verify.checker.verify`) runs both
 so it needs every weight of both in memory, several times over (a 4-layer, 361 MiB model peaked
 at 7.9 GiB). :func:`verify_layers` instead takes each fusion of the report in turn, cuts the two
 regions out of the model files (:func:`.regions.layer_models`: protos without data, types by
-shape inference), reads just that layer's weights of each from its data file, and runs the
-same checker on the pair: fresh random inputs per seed, the original region on the reference
-path (with :func:`.regions.select_before_dequantize`: only the selected experts dequantised,
-an exact identity), the fused region on ONNX Runtime and on the WebGPU kernels. Memory is then
-one layer's, whatever the model's size, and each layer's error and time are reported.
+shape inference), and runs the same checker on the pair: fresh random inputs per seed, the
+original region on the reference path (with :func:`.regions.select_before_dequantize`: only
+the selected experts dequantised, an exact identity; its gathered expert weights read from
+memory maps of the data file, :mod:`.mapped_weights`, so only the picked experts' pages are
+read), the fused region on ONNX Runtime (which maps the layer's weights from the fused data
+file itself: no copy in this process) and on the WebGPU kernels (which read them). Memory is
+then one layer's, whatever the model's size, and each layer's error and time are reported.
 
 Before it starts, :func:`estimate_bytes` sizes the largest layer's run (its weights on both
 sides, as numpy arrays and as ORT's and the adapter's copies, plus a fixed budget); when that
@@ -28,7 +30,7 @@ import os
 import resource
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from onnx_moe_fuse.errors import MoEFuseError
 from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.io.output_paths import size_text
 from onnx_moe_fuse.verify.checker import PATHS, verify
+from onnx_moe_fuse.verify.mapped_weights import UnpackFourBit, map_gathered_weights
 from onnx_moe_fuse.verify.quant_error import QuantizedTolerance
 from onnx_moe_fuse.verify.reference import (
     DEFAULT_DIM_VALUES,
@@ -125,17 +128,25 @@ def _max_rel(report: Any) -> float:
 
 
 def _reference_outputs(
-    original: onnx.ModelProto, seeds: Sequence[int]
+    original: onnx.ModelProto, base_dir: Path, seeds: Sequence[int]
 ) -> dict[int, dict[str, np.ndarray]]:
-    """The original region's outputs on each seed's fresh inputs (as :func:`verify` draws them)."""
+    """The original region's outputs on each seed's fresh inputs (as :func:`verify` draws them).
+
+    ``original``'s external weights are read from ``base_dir``: those only gathered, from
+    memory maps (:func:`.mapped_weights.map_gathered_weights`), the others into memory.
+    """
     dims = dict(DEFAULT_DIM_VALUES)
     feed_shapes(original, dims)  # FeedTooLargeError before any work
-    evaluator = reference_evaluator(original, extra_ops=(DequantizeLinear,))
+    mapped = onnx.ModelProto()
+    mapped.CopyFrom(original)
+    weights = map_gathered_weights(mapped, base_dir)
+    mapped = load_model(mapped, base_dir=base_dir)
+    evaluator = reference_evaluator(mapped, extra_ops=(DequantizeLinear, UnpackFourBit))
     names = list(evaluator.output_names)
     out = {}
     for seed in seeds:
-        feeds = random_feeds(original, int(seed), dims)
-        out[int(seed)] = dict(zip(names, evaluator.run(names, feeds), strict=True))
+        feeds = random_feeds(original, int(seed), dims)  # the inputs verify draws, not weights
+        out[int(seed)] = dict(zip(names, evaluator.run(names, {**feeds, **weights}), strict=True))
     return out
 
 
@@ -148,8 +159,7 @@ def reference_job(
 ) -> tuple[dict[int, dict[str, np.ndarray]], float]:
     """A layer's first process: the original region's outputs per seed, and its peak MiB."""
     select_before_dequantize(orig_cut)
-    orig_full = load_model(orig_cut, base_dir=original_path.parent)
-    return _reference_outputs(orig_full, seeds), _peak_mib()
+    return _reference_outputs(orig_cut, original_path.parent, seeds), _peak_mib()
 
 
 def fused_job(
@@ -166,14 +176,14 @@ def fused_job(
     adapter_note = _too_big_for_adapter(fused_cut, limit)
     paths = tuple(p for p in PATHS if not (adapter_note and p == "wgpu"))
     del orig_cut.graph.initializer[:]  # its inputs and outputs are all verify reads now
-    fused_full = load_model(fused_cut, base_dir=fused_path.parent)
     report = verify(
         orig_cut,
-        fused_full,
+        fused_cut,  # weights left in their file: ORT maps them, the wgpu path reads them
         seeds=seeds,
         paths=paths,
         quantization=quantization,
         references=references,
+        fused_data_folder=fused_path.parent,
     )
     record: dict[str, Any] = {
         "layer": name,
@@ -187,6 +197,27 @@ def fused_job(
     return record
 
 
+def _verify_layer(
+    pool: ProcessPoolExecutor,
+    fusion: Mapping[str, Any],
+    orig_cut: onnx.ModelProto,
+    fused_cut: onnx.ModelProto,
+    paths: tuple[Path, Path],
+    seeds: tuple[int, ...],
+    quantization: QuantizedTolerance | None,
+    limit: int | None,
+) -> dict[str, Any]:
+    """One layer: its original region in one fresh process, then its fused one in the next."""
+    original_path, fused_path = paths
+    start = time.perf_counter()
+    refs, ref_peak = pool.submit(reference_job, orig_cut, original_path, seeds).result()
+    job = (fusion["name"], orig_cut, fused_cut, fused_path, seeds, quantization, limit, refs)
+    record = pool.submit(fused_job, *job).result()
+    record["seconds"] = round(time.perf_counter() - start, 3)
+    record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
+    return record
+
+
 def verify_layers(
     original_path: str | os.PathLike[str],
     fused_path: str | os.PathLike[str],
@@ -195,14 +226,17 @@ def verify_layers(
     seeds: Sequence[int] = (0, 1, 2),
     quantization: QuantizedTolerance | None = None,
     progress: Any = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Verify every fusion of ``fusions`` layer by layer; the report's ``verification`` section.
 
-    ``original_path`` and ``fused_path`` are model files (their data beside them). Returns
-    ``{"mode": "per-layer", "passed", "seeds", "estimate_mib", "layers": [...]}``, each layer
-    with its ``seconds``, ``max_rel`` (the worst relative error over paths, outputs and seeds),
-    its paths' results and messages. Raises :class:`VerifyMemoryError` before any work when the
-    largest layer's estimate exceeds the memory available.
+    ``original_path`` and ``fused_path`` are model files (their data beside them). ``jobs``
+    layers are verified at once, each in processes of its own (fewer when ``jobs`` of the
+    largest layer's estimate would not fit in the memory available). Returns
+    ``{"mode": "per-layer", "passed", "seeds", "estimate_mib", "jobs", "layers": [...]}``,
+    each layer with its ``seconds``, ``max_rel`` (the worst relative error over paths,
+    outputs and seeds), its paths' results and messages. Raises :class:`VerifyMemoryError`
+    before any work when the largest layer's estimate exceeds the memory available.
     """
     original_path, fused_path = Path(original_path), Path(fused_path)
     original = onnx.load(str(original_path), load_external_data=False)
@@ -217,35 +251,38 @@ def verify_layers(
             f"largest layer but {size_text(available)} of memory is available; free memory or "
             "fuse without --verify"
         )
+    jobs = max(1, min(int(jobs), len(cuts) or 1))
+    if available is not None and worst:
+        jobs = max(1, min(jobs, available // worst))  # each job's processes hold one layer
     limit = _binding_limit()
-    layers: list[dict[str, Any]] = []
     context = mp.get_context(
         "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     )
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload(["onnx_moe_fuse.verify.layers"])
-    # fresh processes per layer: all of a layer's memory goes back when it ends (in one
-    # process glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight)
-    with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
-        for i, (fusion, orig_cut, fused_cut) in enumerate(cuts):
-            start = time.perf_counter()
-            # the original region alone in one process, the fused one in the next: each
-            # process's memory is one region's
-            refs, ref_peak = pool.submit(
-                reference_job, orig_cut, original_path, tuple(seeds)
-            ).result()
-            job = (fusion["name"], orig_cut, fused_cut, fused_path, tuple(seeds), quantization,
-                   limit, refs)  # fmt: skip
-            record = pool.submit(fused_job, *job).result()
-            record["seconds"] = round(time.perf_counter() - start, 3)
-            record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
-            layers.append(record)
+    layers: list[dict[str, Any]] = []
+    # fresh processes per region: all of its memory goes back when it ends (in one process
+    # glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight); a
+    # thread per job waits on its layer's two processes in turn
+    with (
+        ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool,
+        ThreadPoolExecutor(max_workers=jobs) as waiters,
+    ):
+        futures = [
+            waiters.submit(_verify_layer, pool, fusion, orig_cut, fused_cut,
+                           (original_path, fused_path), tuple(int(s) for s in seeds),
+                           quantization, limit)
+            for fusion, orig_cut, fused_cut in cuts
+        ]  # fmt: skip
+        for i, future in enumerate(futures):
+            layers.append(future.result())
             if progress is not None:
-                progress(i + 1, len(cuts), record)
+                progress(i + 1, len(cuts), layers[-1])
     return {
         "mode": "per-layer",
         "passed": bool(layers) and all(r["passed"] for r in layers),
         "seeds": [int(s) for s in seeds],
         "estimate_mib": round(worst / 2**20, 1),
+        "jobs": jobs,
         "layers": layers,
     }

@@ -116,21 +116,37 @@ def _serialized_or_file(model: onnx.ModelProto, folder: str) -> bytes | str:
     return path
 
 
-def _ort_session(model: onnx.ModelProto) -> Any:
+def _ort_session(model: onnx.ModelProto, data_folder: str | os.PathLike[str] | None) -> Any:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
+    if data_folder is not None:
+        # the proto holds no weights: ORT maps them from their file itself (per-layer
+        # verification of a 361 MiB layer: no 3 copies in this process, 12 s -> 2.4 s)
+        opts.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", os.fspath(data_folder)
+        )
+        source = model.SerializeToString()
+        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="onnx-moe-fuse-verify-") as folder:
         source = _serialized_or_file(model, folder)
         return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
 
 def prepare_ort(
-    result: PathResult, fused: onnx.ModelProto, runners: dict[str, Any], messages: list[str]
+    result: PathResult,
+    fused: onnx.ModelProto,
+    runners: dict[str, Any],
+    messages: list[str],
+    data_folder: str | os.PathLike[str] | None = None,
 ) -> None:
-    """Create the ORT session, or mark the path skipped (no kernel) or failed (load error)."""
+    """Create the ORT session, or mark the path skipped (no kernel) or failed (load error).
+
+    ``data_folder``: ``fused``'s external data is still in its files, in that folder (ORT
+    reads it from there); None: ``fused`` holds its weights.
+    """
     try:
         import onnxruntime  # noqa: F401 - optional: the "test" extra installs it
     except ImportError:
@@ -144,7 +160,7 @@ def prepare_ort(
         result.status, result.reason = "skipped", reason
         return
     try:
-        session = _ort_session(fused)
+        session = _ort_session(fused, data_folder)
     except Exception as exc:  # classified below
         skip = _ort_skip_reason(exc)
         if skip is not None:

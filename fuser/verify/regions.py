@@ -31,7 +31,7 @@ from typing import Any
 
 import onnx
 
-__all__ = ["layer_models", "select_before_dequantize", "value_infos"]
+__all__ = ["copy_node", "layer_models", "select_before_dequantize", "value_infos"]
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -202,7 +202,9 @@ def select_before_dequantize(model: onnx.ModelProto) -> int:
     if count:
         _topological(g)
         used = {v for n in g.node for v in n.input}
-        kept = [_copy(n) for n in g.node if n.op_type != "DequantizeLinear" or n.output[0] in used]
+        kept = [
+            copy_node(n) for n in g.node if n.op_type != "DequantizeLinear" or n.output[0] in used
+        ]
         del g.node[:]
         g.node.extend(kept)
     return count
@@ -222,12 +224,13 @@ def _topological(g: onnx.GraphProto) -> None:
         ordered.extend(ready)
         ready_ids = {id(n) for n in ready}
         left = [n for n in left if id(n) not in ready_ids]
-    ordered = [_copy(n) for n in ordered]  # wrappers of removed messages are not to be trusted
+    ordered = [copy_node(n) for n in ordered]  # wrappers of removed messages are not to be trusted
     del g.node[:]
     g.node.extend(ordered)
 
 
-def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+def copy_node(node: onnx.NodeProto) -> onnx.NodeProto:
+    """A detached copy of ``node`` (to rebuild a graph's node list from)."""
     out = onnx.NodeProto()
     out.CopyFrom(node)
     return out

@@ -209,6 +209,65 @@ def ref_top1(trap: bool):
     return ref
 
 
+def ref_top1_split(trap: str | None):
+    """:func:`ref_top1` on ``[B, S, H]`` tokens, token ``t = b * S + s``.
+
+    The traps: the weight ``1 - p`` (``"one_minus"``), or the experts run on the sequence
+    reversed (``"reversed"``).
+    """
+
+    def ref(c, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        vals, idx = topk(softmax(flat @ c["wg"]), 1)
+        weight = 1.0 - vals if trap == "one_minus" else vals
+        rev = x[:, ::-1].reshape(-1, h)
+        rows = (lambda t, j: rev[t]) if trap == "reversed" else None
+        expert = swiglu_expert(f64(c["w1"]), f64(c["w3"]), f64(c["w2"]))
+        return routed(flat, weight, idx, expert, rows).reshape(b, s, -1)
+
+    return ref
+
+
+def ref_split_router(swapped: bool):
+    """The router on ``[B, S, H]``, ReLU experts on the ``[T, H]`` view.
+
+    ``swapped``: the ids of token ``(s, b)`` (the trap's Transpose) at token ``(b, s)``.
+    """
+
+    def ref(c, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        w, idx = topk(softmax(flat @ c["wg"]), int(c["k"][0]))
+        if swapped:
+            idx = idx.reshape(b, s, -1).transpose(1, 0, 2).reshape(b * s, -1)
+        w1, w2 = f64(c["w1"]), f64(c["w2"])
+        expert = lambda e, v: np.maximum(v @ w1[e], 0.0) @ w2[e]  # noqa: E731
+        return routed(flat, w, idx, expert).reshape(b, s, -1)
+
+    return ref
+
+
+def ref_pair_rows(experts_run: int | None):
+    """Softmax top-k weights as they are, ReLU experts (per-expert ``w1_e``, ``w2_e``).
+
+    The trap's loop runs only the first ``experts_run`` experts (the others' pairs stay zero).
+    """
+
+    def ref(c, x):
+        w, idx = topk(softmax(x @ c["wg"]), int(c["k"][0]))
+        ran = range(experts_run) if experts_run is not None else None
+
+        def expert(e, v):
+            if ran is not None and e not in ran:
+                return np.zeros(x.shape[-1])
+            return np.maximum(v @ f64(c[f"w1_{e}"]), 0.0) @ f64(c[f"w2_{e}"])
+
+        return routed(x, w, idx, expert)
+
+    return ref
+
+
 def ref_bias(rank: str):
     def ref(c, x):
         w, idx = renorm_topk(softmax(x @ c["router"]), int(c["k"][0]))
@@ -289,6 +348,13 @@ REFERENCES = {
     "trap_bias_other_ids": ref_bias("other_ids"),
     "top1_squeezed": ref_top1(False),
     "trap_top1_one_minus": ref_top1(True),
+    "top1_split": ref_top1_split(None),
+    "trap_top1_split_one_minus": ref_top1_split("one_minus"),
+    "trap_top1_split_reversed": ref_top1_split("reversed"),
+    "split_router_flat_experts": ref_split_router(False),
+    "trap_split_router_swapped": ref_split_router(True),
+    "pair_rows_index_put": ref_pair_rows(None),
+    "trap_pair_rows_expert_missing": ref_pair_rows(3),
     "int8_channel_fc3": ref_int8(False),
     "trap_int8_up_other_slot": ref_int8(True),
     "qwen3_flat_int4": ref_qwen3_flat(False),

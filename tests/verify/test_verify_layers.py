@@ -18,11 +18,17 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx_moe_fuse.cli import EXIT_OK, EXIT_USAGE, main
+from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.samples.stacked import stacked_moe_model
 from onnx_moe_fuse.streaming_io import fuse_file
 from onnx_moe_fuse.verify import layers as layers_mod
 from onnx_moe_fuse.verify.layers import VerifyMemoryError, verify_layers
-from onnx_moe_fuse.verify.reference_dq import DequantizeLinear
+from onnx_moe_fuse.verify.mapped_weights import (
+    MAPPED_DOMAIN,
+    UnpackFourBit,
+    map_gathered_weights,
+)
+from onnx_moe_fuse.verify.reference_dq import DequantizeLinear, _as_float32
 from onnx_moe_fuse.verify.regions import select_before_dequantize
 
 SMALL = {"hidden": 64, "inter": 32, "experts": 4}
@@ -106,8 +112,9 @@ def test_per_layer_without_verify_is_refused(fused_pair, tmp_path, capsys):
     assert "--per-layer" in capsys.readouterr().err
 
 
-def _gather_dq_model(qtype: int, block: int, zero_point: bool, rng) -> tuple[onnx.ModelProto, dict]:
-    e, k, n = 5, 64, 6
+def _gather_dq_model(
+    qtype: int, block: int, zero_point: bool, rng, e: int = 5, k: int = 64, n: int = 6
+) -> tuple[onnx.ModelProto, dict]:
     signed = qtype in (TensorProto.INT4, TensorProto.INT8)
     lo, hi = (-8, 8) if qtype in (TensorProto.INT4, TensorProto.UINT4) else (-128, 128)
     lo, hi = (0, hi - lo) if not signed else (lo, hi)
@@ -160,3 +167,71 @@ def test_per_expert_scales_are_left_as_they_are(rng):
     model.graph.node[0].attribute[0].i = 0  # axis 0: one scale per expert, not gathered safely
     del model.graph.node[0].attribute[1:]
     assert select_before_dequantize(model) == 0
+
+
+def _save_external(model: onnx.ModelProto, path) -> None:
+    """``model`` with every initializer in raw bytes in ``path``'s data file (m.data)."""
+    for t in model.graph.initializer:  # onnx moves only raw_data tensors out
+        t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t), t.name))
+    onnx.save(model, path, save_as_external_data=True, location="m.data", size_threshold=0)
+
+
+@pytest.mark.parametrize(
+    "qtype", [TensorProto.INT4, TensorProto.UINT4, TensorProto.INT8, TensorProto.UINT8]
+)
+@pytest.mark.parametrize("n", [6, 5])
+def test_mapped_weights_compute_what_loaded_weights_compute(qtype, n, rng, tmp_path):
+    model, feeds = _gather_dq_model(qtype, 16, True, rng, n=n)
+    want = ReferenceEvaluator(model).run(None, feeds)[0]  # onnx's own, weights in the proto
+    _save_external(model, tmp_path / "m.onnx")
+    cut = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert select_before_dequantize(cut) == 1
+    weights = map_gathered_weights(cut, tmp_path)
+    assert sorted(weights) == ["q", "s", "z"]
+    assert all(isinstance(w, np.memmap) for w in weights.values())
+    assert not cut.graph.initializer  # every weight read from its map, none loaded
+    got = ReferenceEvaluator(cut, new_ops=[DequantizeLinear, UnpackFourBit]).run(
+        None, {**feeds, **weights}
+    )[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_four_bit_expert_of_an_odd_count_of_codes_is_loaded(rng, tmp_path):
+    model, feeds = _gather_dq_model(TensorProto.INT4, 3, False, rng, e=3, k=9, n=7)  # 63 codes
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    _save_external(model, tmp_path / "m.onnx")
+    cut = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    select_before_dequantize(cut)
+    weights = map_gathered_weights(cut, tmp_path)
+    assert "q" not in weights and [t.name for t in cut.graph.initializer] == ["q"]
+    loaded = load_model(cut, base_dir=tmp_path)
+    got = ReferenceEvaluator(loaded, new_ops=[DequantizeLinear, UnpackFourBit]).run(
+        None, {**feeds, **weights}
+    )[0]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int8", "uint8"])
+def test_one_byte_codes_become_the_floats_ml_dtypes_gives(dtype):
+    codes = np.arange(256, dtype=np.uint8).view(onnx.helper.tensor_dtype_to_np_dtype(
+        {"int4": TensorProto.INT4, "uint4": TensorProto.UINT4, "int8": TensorProto.INT8,
+         "uint8": TensorProto.UINT8}[dtype]))  # fmt: skip
+    np.testing.assert_array_equal(_as_float32(codes), codes.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [TensorProto.INT4, TensorProto.UINT4])
+def test_unpacking_picked_rows_gives_what_onnx_reads(qtype, rng):
+    packed = rng.integers(0, 256, (3, 2, 12), dtype=np.uint8)  # 3 x 2 picked experts of 4 x 6
+    node = helper.make_node("UnpackFourBit", ["p"], ["c"], domain=MAPPED_DOMAIN,
+                            data_type=qtype, dims=[4, 6])  # fmt: skip
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("p", TensorProto.UINT8, [3, 2, 12])],
+        [helper.make_tensor_value_info("c", qtype, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25),
+                                                     helper.make_opsetid(MAPPED_DOMAIN, 1)])  # fmt: skip
+    got = ReferenceEvaluator(model, new_ops=[UnpackFourBit]).run(None, {"p": packed})[0]
+    whole = helper.make_tensor("w", qtype, [6, 4, 6], packed.tobytes(), raw=True)
+    want = onnx.numpy_helper.to_array(whole).reshape(3, 2, 4, 6)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))

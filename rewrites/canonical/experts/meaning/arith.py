@@ -479,7 +479,11 @@ def reduce_sum(node: ir.Node, m: Meaning, k_slots: int) -> Meaning:
     """``ReduceSum`` over the slot axis of the weighted outputs (or of a routing value)."""
     rank = len(m.axes)
     axes = node_axes(node, 1)
-    axes = normalize_axes(axes, rank) if axes is not None else list(range(rank))
+    if axes is None:
+        raise Departure("a ReduceSum whose axes are not constant")
+    if not axes and not attr_int(node, "noop_with_empty_axes", 0):
+        axes = list(range(rank))  # no axes given: the sum of every element
+    axes = normalize_axes(axes, rank)
     if axes is None:
         raise Departure("a ReduceSum whose axes are not constant")
     keep = attr_int(node, "keepdims", 1)

@@ -73,7 +73,8 @@ class LayerParts:
     ``fc1``: FC1's projections in the order the activation reads them (one, or gate and up);
     ``act_nodes``: the activation's nodes in graph order (empty for an identity);
     ``fc2_input``: the term FC2 reads (an :class:`~.terms.Act` or FC1's projection);
-    ``split_tokens``: the ``[B, S, H]`` tokens the output is laid out like, or None for ``[T, H]``.
+    ``split_tokens``: the ``[B, S, H]`` tokens the output is laid out like, or None for ``[T, H]``
+    (``tokens`` themselves may be ``[B, S, H]``: a router on them as they are).
     """
 
     topk: ir.Node
@@ -230,6 +231,11 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     if len(scales) != 1:
         raise Departure("FC1's projections read tokens scaled differently")
     prescale = next(iter(scales.values()))
+    tokens = _expert_tokens(found)
+    if prescale is not None and len(value_dims(tokens) or ()) == 3:
+        raise Departure(
+            "the [B, S, H] tokens scaled by their weight (written for [T, H] rows only)"
+        )
     weights = head.weighted.weights
     if isinstance(weights, UnitWeights) != (prescale is not None):
         raise Departure("the tokens are scaled by their weight, and weighted again")
@@ -237,6 +243,8 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         raise Departure("a value of the tokens added inside a combine of scaled or based rows")
     if shared is not None:  # its gate is written from a copy of the router (``shared_parts``)
         routing_nodes(head.weighted.weights.source, found.tokens)
+        if len(value_dims(_expert_tokens(found)) or ()) != 2:
+            raise Departure("a value of the tokens added inside a combine over [B, S] tokens")
     post = weights.post if isinstance(weights, ScaledWeights) else ()
     fc1 = tuple(projection([b.leaves[i] for b in branches]) for i in range(len(head.leaves)))
     fc2 = projection([b.weighted.expert for b in branches])
@@ -245,7 +253,7 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     k_in, n_out = shape[-2:] if fc2.k_major else shape[-2:][::-1]
     return LayerParts(
         found.topk,
-        _expert_tokens(found),
+        tokens,
         head.weighted.weights.source,
         fc1,
         head.act_nodes,
@@ -270,6 +278,8 @@ def _expert_tokens(found: Interpretation) -> ir.Value:
     """
     rows = found.tokens
     assert rows is not None
+    if len(value_dims(rows) or ()) == 3:
+        return rows  # routed as they are: ids [B, S, k] go with the [B, S, H] rows, not a view
     readers = [u for u, _ in rows.uses() if u.op_type not in ("Shape", "Size")]
     if any(u.op_type not in ("MatMul", "Gemm") for u in readers):
         return rows  # the layer reads them too

@@ -96,8 +96,13 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
         tokens = writer.node("Mul", [tokens, column.outputs[0]], "scaled_tokens").outputs[0]
         values = parts.topk.outputs[0]
         weights = writer.node("Softmax", [values], "unit_weights", axis=-1).outputs[0]
+    rank = len(value_dims(tokens) or ())
     for i, proj in enumerate(parts.fc1):
         base = f"fc1_{i}"
+        if rank == 3:  # [B, S, H] tokens: [B, S, 1, 1, H] @ W[idx] [B, S, k, H, N]
+            lhs = writer.node("Unsqueeze", [tokens, writer.ints(f"{base}_axes", [2, 3])], base)
+            mapped[id(proj.term)] = _gathered(writer, lhs.outputs[0], proj, idx, base)
+            continue
         inputs = [
             tokens,
             _weight(writer, proj, base),
@@ -109,6 +114,9 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
         new = _copy_activation_node(writer, found, old, mapped)
         writer.stands_for.append((new, old))
     act_out = mapped[id(parts.fc2_input)]
+    if rank == 3:
+        _finish_split(writer, found, parts, act_out, weights, idx)
+        return
     fc2 = parts.fc2
     width, out_width = parts.widths
     rows = writer.node("Reshape", [act_out, writer.ints("fc2_rows_shape", [-1, width])], "fc2_rows")
@@ -138,11 +146,19 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     if parts.shared is not None:  # sum_j w (FC2 + S): the layer plus (sum_j w) * S
         assert found.tokens is not None
         result = add_shared_term(writer, parts, weights, found.tokens, result)
-    if parts.base is not None:  # scatter-added into a value other than zeros: that value plus it
-        result = writer.node("Add", [result, parts.base], "plus_base").outputs[0]
     if parts.split_tokens is not None:
         shape = writer.node("Shape", [parts.split_tokens], "out_shape")
         result = writer.node("Reshape", [result, shape.outputs[0]], "out_split").outputs[0]
+    _replace_layer(graph, writer, parts, result)
+
+
+def _replace_layer(
+    graph: ir.Graph, writer: GraphWriter, parts: LayerParts, result: ir.Value
+) -> None:
+    """The new nodes in, ``result`` (plus the scatter's base) taking over the layer's output."""
+    old_out = parts.output
+    if parts.base is not None:  # scatter-added into a value other than zeros: that value plus it
+        result = writer.node("Add", [result, parts.base], "plus_base").outputs[0]
     root = old_out.producer()
     assert root is not None
     writer.stands_for.append((result.producer(), root))  # type: ignore[arg-type]
@@ -150,6 +166,48 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     _take_over(writer, old_out, result)
     writer.remove_dead([old_out])
     writer.take_over_node_names(root)
+
+
+def _gathered(
+    writer: GraphWriter, lhs: ir.Value, proj: Projection, idx: ir.Value, base: str
+) -> ir.Value:
+    """``Squeeze(lhs @ Gather(W, idx), [3])`` (+ ``Gather(b, idx)``): rows of ``[B, S, k, N]``."""
+    picked = writer.node("Gather", [_weight(writer, proj, base), idx], f"{base}_w", axis=0)
+    mm = writer.node("MatMul", [lhs, picked.outputs[0]], f"{base}_mm")
+    axes = writer.ints(f"{base}_drop_axes", [3])
+    out = writer.node("Squeeze", [mm.outputs[0], axes], f"{base}_rows").outputs[0]
+    for bias in _bias(writer, proj, f"{base}_bias"):
+        picked_bias = writer.node("Gather", [bias, idx], f"{base}_b", axis=0)
+        out = writer.node("Add", [out, picked_bias.outputs[0]], f"{base}_biased").outputs[0]
+    return out
+
+
+def _finish_split(
+    writer: GraphWriter,
+    found: Interpretation,
+    parts: LayerParts,
+    act: ir.Value,
+    weights: ir.Value,
+    idx: ir.Value,
+) -> None:
+    """FC2 and the combine of a layer routed on ``[B, S, H]`` tokens as they are.
+
+    The ids are ``[B, S, k]``: the gathered-weights per-slot form, whose rules take any token
+    rank (the opset-29 GroupedMatMul takes ``[M, K]`` rows only); the output ``[B, S, O]``, or
+    ``[T, O]`` rows where the layer's output is laid out so.
+    """
+    lhs = writer.node("Unsqueeze", [act, writer.ints("fc2_axes", [3])], "fc2_lhs").outputs[0]
+    slots = _gathered(writer, lhs, parts.fc2, idx, "fc2")
+    w4 = writer.node("Unsqueeze", [weights, writer.ints("weights_axes", [-1])], "weights_4d")
+    mul = writer.node("Mul", [slots, w4.outputs[0]], "weighted")
+    out = writer.node(
+        "ReduceSum", [mul.outputs[0], writer.ints("slots_axes", [2])], "out", keepdims=0
+    )
+    result = out.outputs[0]
+    if parts.split_tokens is None:  # the layer's output is [T, O] rows: flatten [B, S, O] too
+        shape = writer.ints("out_rows_shape", [-1, parts.widths[1]])
+        result = writer.node("Reshape", [result, shape], "out_rows").outputs[0]
+    _replace_layer(found.topk.graph, writer, parts, result)  # type: ignore[arg-type]
 
 
 def _replayed(writer: GraphWriter, value: ir.Value, post: tuple) -> ir.Value:

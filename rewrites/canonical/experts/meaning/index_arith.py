@@ -63,6 +63,8 @@ def index_arithmetic(node: ir.Node, ins: list[Meaning | None], k: int) -> Meanin
     """
     described = [x for x in ins if x is not None]
     op = node.op_type
+    if op in ("Max", "Min") and len(node.inputs) == 1 and len(described) == 1:
+        return described[0]  # of one operand (torch broadcasting an index with itself): it
     if len(described) == 1 and op in ("Abs", "Floor", "Sign"):
         (m,) = described
         t = m.term

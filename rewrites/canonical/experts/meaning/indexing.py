@@ -55,6 +55,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     axis_size,
     filtered_expert,
     filtered_var,
+    is_repeat,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     const_shape,
@@ -162,7 +163,7 @@ def _rows_at(data: Meaning, index: Meaning, axis: int) -> Meaning:
     assert isinstance(term, RowIndex)
     if not 0 <= axis < len(data.axes) or not data.axes[axis]:
         raise Departure("a Gather along a unit axis")
-    coefs = _flat_coefs(data.axes[axis])
+    coefs = _flat_coefs(_repeats_as(data.axes[axis], index.term))
     if coefs is None or dict(term.coefs) != coefs:
         names = ", ".join(f.var for f in data.axes[axis])
         raise Departure(
@@ -171,6 +172,25 @@ def _rows_at(data: Meaning, index: Meaning, axis: int) -> Meaning:
         )
     axes = normalise((*data.axes[:axis], *index.axes, *data.axes[axis + 1 :]))
     return Meaning(axes, _read_back(data.term))
+
+
+def _repeats_as(axis: Axis, index: RowIndex) -> Axis:
+    """``axis`` with each repeat named as the index's variable of its stride, where one is free.
+
+    A repeat matches any index of its size: tokens repeated k times (``repeat_interleave``,
+    ``[(t, *), h]``) read at ``t*k + j`` are ``x[t]`` for every slot ``j``.
+    """
+    by_stride = dict((c, v) for v, c in index.coefs)
+    coefs = _flat_coefs(axis) or {}
+    named = {f.var for f in axis}
+    out = []
+    for f in axis:
+        free = by_stride.get(coefs.get(f.var, 0))
+        if is_repeat(f.var) and free is not None and free not in named:
+            f = Factor(free, f.size)
+            named.add(free)
+        out.append(f)
+    return tuple(out)
 
 
 def _read_back(term):  # noqa: ANN001, ANN202 - any term
@@ -355,23 +375,32 @@ def _check_depth(depth: int, ctx: Context) -> None:
         raise Departure(f"masks over {depth} experts where the router scores {ctx.experts}")
 
 
-def nonzero(node: ir.Node, mask: Meaning | None) -> Meaning:
+def nonzero(node: ir.Node, mask: Meaning | None, ctx: Context) -> Meaning:
     """``NonZero`` of one expert's mask: ``[rank, R]`` index tuples of the pairs that chose it."""
     if mask is None or not isinstance(mask.term, Mask) or mask.term.expert is None:
         raise Departure("a NonZero of other than one expert's mask")
     names = [[f.var for f in a] for a in mask.axes]
     if names == [["t", "j"]]:  # the (token, slot) rows flattened: repeat_interleave'd tokens
-        raise Departure(
-            f"a NonZero of expert {mask.term.expert}'s mask over the flat (token, slot) rows "
-            f"{mask.layout()} (rows indexed t*k + j, then a boolean index_put of each expert's "
-            "outputs at its rows: not read by this analysis yet)"
-        )
-    if sorted(names) != [["j"], ["t"]]:
+        # each pair's flat row t*k + j, in the same (row-major) order as the pairs' own tuples
+        e = mask.term.expert
+        rows = Factor(filtered_var(e), Dim.sym(f"R{e}"))
+        return Meaning(((), (rows,)), RowIndex((("t", ctx.k), ("j", 1))))
+    # one index per axis: the token's (``t``, or ``t.hi, t.lo`` of [B, S] tokens) and the slot's
+    # (a unit slot axis at k = 1 is none); a pair (b, s) is the token b * S + s
+    pair_axes = [["j"], ["t"]], [["t"]], [["j"], ["t.hi"], ["t.lo"]], [["t.hi"], ["t.lo"]]
+    if sorted(n for n in names if n) not in pair_axes or (["j"] not in names) != (ctx.k == 1):
         raise Departure(f"a NonZero of an expert's mask laid out {mask.layout()}")
+    names = [n for n in names if n]
+    if len(names) != len(mask.axes):
+        raise Departure(f"a NonZero of an expert's mask with unit axes ({mask.layout()})")
     e = mask.term.expert
-    rows = Factor(filtered_var(e), Dim.sym(f"R{e}"))
-    coords = Factor("c", Dim.of(2))
-    return Meaning(((coords,), (rows,)), Coords(tuple(n[0] for n in names)))
+    order = [n[0] for n in names]
+    # pairs enumerated slot-major (a [k, T] mask) are not in the token-major order of the
+    # (token, slot) rows: their count is named apart, so the two never meet as the same rows
+    slot_major = "j" in order and order.index("j") < len(order) - 1
+    rows = Factor(filtered_var(e), Dim.sym(f"R{e}_slot_major" if slot_major else f"R{e}"))
+    coords = Factor("c", Dim.of(len(order)))
+    return Meaning(((coords,), (rows,)), Coords(tuple(order)))
 
 
 def dequantize(node: ir.Node, ins: list[Meaning | None]) -> Meaning:

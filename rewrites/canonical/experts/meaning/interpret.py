@@ -40,6 +40,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Tokens,
     Weighted,
     Weights,
+    axis_size,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.transfer import transfer
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
@@ -172,14 +173,26 @@ def _seed(result: Interpretation, value: ir.Value, meaning: Meaning) -> None:
     result.meanings[id(value)] = (value, meaning)
 
 
+def _token_axes(row_dims: list[Dim]) -> tuple[tuple[Factor, ...], ...]:
+    """The token axes of router rows: ``t`` of ``[T, H]``, or ``t.hi, t.lo`` of ``[B, S, H]``.
+
+    ``t = b * S + s``, row-major, as a Reshape to ``[T, H]`` flattens them.
+    """
+    if len(row_dims) == 2:
+        return ((Factor("t", row_dims[0]),),)
+    return _split_tokens(row_dims, row_dims[0] * row_dims[1])
+
+
 def _seed_tokens(result: Interpretation, rows: ir.Value, tokens: Dim) -> list[ir.Value]:
-    """The router rows ``[T, H]`` and the ``[B, S, H]`` value they are reshaped from."""
+    """The router rows, and the ``[B, S, H]`` value that ``[T, H]`` rows are reshaped from."""
     dims = value_dims(rows)
-    if dims is None or len(dims) != 2:
+    if dims is None or len(dims) not in (2, 3):
         return []
-    h = Factor("h", dims[1])
-    _seed(result, rows, Meaning(((Factor("t", tokens),), (h,)), Tokens()))
+    h = Factor("h", dims[-1])
+    _seed(result, rows, Meaning((*_token_axes(dims), (h,)), Tokens()))
     seeded = [rows]
+    if len(dims) == 3:
+        return seeded
     node = rows.producer()
     if node is not None and node.op_type in _TOKEN_LAYOUT and node.inputs:
         source = node.inputs[0]
@@ -237,10 +250,11 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
     result = Interpretation(topk, rows, k, experts)
     ids, values = topk.outputs[1], topk.outputs[0]
     row_dims = value_dims(rows) if rows is not None else None
-    if k <= 0 or row_dims is None or len(row_dims) != 2:
+    if k <= 0 or row_dims is None or len(row_dims) not in (2, 3):
         return result
-    tokens = row_dims[0]
-    tj = layout.normalise(((Factor("t", tokens),), (Factor("j", Dim.of(k)),)))
+    token_axes = _token_axes(row_dims)
+    tokens = axis_size(tuple(f for a in token_axes for f in a))
+    tj = layout.normalise((*token_axes, (Factor("j", Dim.of(k)),)))
     _seed(result, ids, Meaning(tj, Ids()))
     _seed(result, values, Meaning(tj, Weights(values)))
     rounds = round_weights(topk, k)  # a selection in top-1 rounds: its weights, per slot

@@ -16,6 +16,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     dense,
     indexing,
     layout,
+    pair_rows,
     rounds,
     shared,
     sorted_combine,
@@ -57,6 +58,9 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if node.domain not in ("", "ai.onnx"):
         raise Departure(f"a {node.domain} op")
     first = ins[0] if ins else None
+    written = pair_rows.pair_transfer(node, ins, ctx)  # a boolean index_put of expert rows
+    if written is not None:
+        return written + [None] * (len(node.outputs) - len(written))
     if op in _LAYOUT and first is None:
         raise Departure(f"a {op} of a value this analysis does not describe")
     if op in _LAYOUT:
@@ -110,7 +114,7 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     if op == "OneHot":
         return [indexing.one_hot(node, ins, ctx)]
     if op == "NonZero":
-        return [indexing.nonzero(node, first)]
+        return [indexing.nonzero(node, first, ctx)]
     if op == "Concat" and first is not None and all(v is node.inputs[0] for v in node.inputs):
         return [_copies(node, first)]
     if op == "Concat":
