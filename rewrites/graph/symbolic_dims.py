@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.graph.dims import (
@@ -165,6 +166,8 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         return split_dims(node, value, first)
     if op == "Expand":
         shape = const_ints(ins[1]) if len(ins) > 1 else None
+        if shape is None and memo.get(_FILLS) and _is_fill(ins[0]):  # torch's zeros_like
+            return _filled_dims(ins[1], depth, memo)
         return None if shape is None else broadcast_dims(first, [Dim.of(s) for s in shape], value)
     if op == "Transpose":
         perm = node.attributes.get("perm")
@@ -277,6 +280,40 @@ def _target_dims(target: ir.Value | None, memo: dict) -> list[int | Dim] | None:
         return list(ints)
     computed = shape_value(target, 0, memo)
     return None if computed is None or computed.scalar else list(computed.dims)
+
+
+#: Memo key: the question follows Expands of a fill to computed shapes (:func:`fill_dims`).
+_FILLS = "follow fills"
+
+
+def fill_dims(value: ir.Value | None) -> list[Dim] | None:
+    """:func:`value_dims`, also through ``Expand(c, s)`` of a one-element ``c`` to a computed ``s``.
+
+    torch's ``zeros_like(v)`` exports as ``Expand(0, Shape(v))``: its dims are ``v``'s. Only the
+    questions that need it ask (a combine's weights against its outputs): evaluating every
+    fill's computed target (attention masks, every layer) in every question walks far up a
+    whole model, and costs the fuser its time.
+    """
+    return value_dims(value, 0, {_FILLS: True})
+
+
+def _is_fill(value: ir.Value | None) -> bool:
+    """A constant with one element: an Expand of it is a tensor of its target's shape."""
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)
+    return tensor is not None and int(np.prod(tensor.shape, dtype=np.int64)) == 1
+
+
+def _filled_dims(target: ir.Value | None, depth: int, memo: dict) -> list[Dim] | None:
+    """``Expand(c, s)`` of a one-element ``c`` to a shape computed at run time: ``s``'s dims.
+
+    Only for a fill (``zeros_like(v)`` is ``Expand(0, Shape(v))``): the target's elements are
+    then the output's dims, whatever the rank (a fill of rank <= the target's broadcasts to it).
+    """
+    computed = shape_value(target, depth, memo) if target is not None else None  # this budget
+    if computed is None or computed.scalar:
+        return None
+    out = list(computed.dims)
+    return None if any(d.coef < 0 for d in out) else out
 
 
 def _constant_of_shape_dims(node: ir.Node, memo: dict) -> list[Dim] | None:

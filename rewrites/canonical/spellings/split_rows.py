@@ -46,7 +46,7 @@ from onnx_moe_fuse.rewrites.canonical.spellings.common import (
 )
 from onnx_moe_fuse.rewrites.graph.dims import Dim, product
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, node_axes, normalize_axes, static_rank
-from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import fill_dims, shape_value, value_dims
 
 __all__ = ["MulOfSplitRows", "SumOverKeptAxis", "TiledRowsAsExpand", "split_rows_rules"]
 
@@ -87,8 +87,9 @@ class MulOfSplitRows(_SplitRule):
         result = pattern.MatchResult()
         if not self.proved:
             return result
-        dims_y, dims_w = _dims(y), _dims(w)
-        split_dims, weight_dims = _dims(split_y), _dims(weights)
+        # through fills: the dense weights are a scatter into zeros_like(logits), a fill
+        dims_y, dims_w = fill_dims(y), fill_dims(w)
+        split_dims, weight_dims = fill_dims(split_y), fill_dims(weights)
         if dims_y is None or dims_w is None or split_dims is None or weight_dims is None:
             return result.fail("the dims of the split rows are not known", split_y)
         if len(dims_y) < 2 or dims_w != dims_y[:-1]:
@@ -151,7 +152,7 @@ class SumOverKeptAxis(_SplitRule):
             if _guessed_axis(m, split, red) is None or self.opset < 10:
                 return result.fail("the summed axis cannot be placed", split)
             return result
-        dims_m, dims_split = _dims(m), _dims(split)
+        dims_m, dims_split = fill_dims(m), fill_dims(split)  # the weights may be a fill's
         if dims_m is None or dims_split is None or len(dims_m) < 2 or len(dims_split) < 2:
             return result.fail("the dims around the sum are not known", split)
         axes = node_axes(red)
@@ -183,8 +184,8 @@ class SumOverKeptAxis(_SplitRule):
         """The sum first, over the same elements, then the Reshape to the target less the axis."""
         reshape, red = split.producer(), total.producer()
         if self.proved:
-            position = normalize_axes(node_axes(red), len(_dims(split)))[0]
-            axis = _kept_axis(_dims(m), _dims(split), position)
+            position = normalize_axes(node_axes(red), len(fill_dims(split)))[0]
+            axis = _kept_axis(fill_dims(m), fill_dims(split), position)
         else:
             position, axis = _guessed_axis(m, split, red)  # type: ignore[misc]
         summed = reduce_sum(op, m, [axis], self)

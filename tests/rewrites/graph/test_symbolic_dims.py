@@ -20,7 +20,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_moe_fuse.rewrites.graph.dims import Dim
-from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value, value_dims
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import fill_dims, shape_value, value_dims
 
 MODEL = """<ir_version: 10, opset_import: ["" : 18]>
 g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias, float[B, S, 8] other)
@@ -32,6 +32,8 @@ g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias, float[B, S, 8] othe
   logits_t = Gemm <transA = 1> (x, x)
   shape_of_logits = Shape(logits)
   zeros = ConstantOfShape(shape_of_logits)
+  zero_f = Constant <value = float {0.0}> ()
+  zeros_like = Expand(zero_f, shape_of_logits)
   k = Constant <value = int64[1] {2}> ()
   top_v, top_i = TopK(logits, k)
   dense = ScatterElements <axis = 1> (zeros, top_i, top_v)
@@ -138,6 +140,9 @@ def test_symbols_follow_the_computation(graph):
     values = _values(model)
     rows = Dim(1, ("hidden[0]", "hidden[1]"))
     assert value_dims(values["dense"]) == [rows, Dim.of(4)]
+    # a fill Expanded to a shape computed at run time: that shape's dims (torch's zeros_like),
+    # for the questions that ask (fill_dims)
+    assert fill_dims(values["zeros_like"]) == [rows, Dim.of(4)]
     assert value_dims(values["split"]) == [
         Dim.of(4),
         Dim.sym("hidden[0]"),

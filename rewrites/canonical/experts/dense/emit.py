@@ -83,6 +83,9 @@ class Emitter(GraphWriter):
             picked = self.node(
                 "GatherElements", [layer.prescale.scores, idx], "token_scale", axis=-1
             )
+            for old in layer.prescale.maps:  # g, where only S^T is in the graph
+                attrs = dict(old.attributes.items())
+                picked = self.node(old.op_type, picked.outputs, "token_scale", **attrs)
             tokens = self.node("Mul", [tokens, picked.outputs[0]], "scaled_tokens").outputs[0]
             w = self.node("Softmax", [layer.prescale.values], "unit_weights", axis=-1).outputs[0]
         mapping: dict[int, ir.Value] = {}

@@ -25,14 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-from onnx.reference import ReferenceEvaluator
 
 from onnx_moe_fuse.rewrites.canonical.experts.dense.combine import Combine
 from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
     STD,
-    const_array,
     const_ints,
     consumers,
     is_op,
@@ -43,6 +40,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.dense.consts import (
 from onnx_moe_fuse.rewrites.canonical.experts.dense.ffn import ExpertMLP, read_mlp
 from onnx_moe_fuse.rewrites.canonical.experts.dense.mask import DenseWeights, fill_like_scores
 from onnx_moe_fuse.rewrites.canonical.experts.dense.routing import Routing, read_routing
+from onnx_moe_fuse.rewrites.canonical.experts.dense.zero_rows import maps_zero_to_zero
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str, label
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal, part
 
@@ -61,22 +59,51 @@ _SCORE_MAPS = {
 class Prescale:
     """The tokens are scaled by ``scores`` gathered at the selection before the experts."""
 
-    scores: ir.Value  # S [T, E]
+    scores: ir.Value  # S [T, E], or the scatter before g when ``maps`` holds g
     values: ir.Value  # the TopK's values (softmaxed over the one slot: weight 1)
     sum_type: int | None = None  # the float type a widening Cast before the sum gives it
+    # g's element-wise nodes, to apply to the gathered scores: the export transposed before g,
+    # so S [T, E] is never computed (only S^T), and g is copied onto the gathered [T, 1]
+    maps: tuple[ir.Node, ...] = ()
 
 
-def _score_chain(scatter: ir.Node) -> tuple[ir.Value, list[ir.Node]]:
-    """Follow the single-use element-wise ops ``g`` from the scatter to the scores S."""
-    value, chain = scatter.outputs[0], []
+def _score_chain(scatter: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node | None]:
+    """Follow the single-use element-wise ops ``g`` from the scatter to the scores.
+
+    ``(scores, g's nodes, transpose)``: transformers transposes the scattered scores *before*
+    the sigmoid (``scatter(...).transpose(0, 1)``, then ``sigmoid``); an element-wise ``g``
+    commutes with the transpose, so a ``Transpose [1, 0]`` inside the chain is taken too and
+    returned apart, and the scores are then ``S^T [E, T]``.
+    """
+    value, chain, transpose = scatter.outputs[0], [], None
     while True:
         users = consumers(value)
-        if len(users) != 1 or users[0].op_type not in _SCORE_MAPS or users[0].domain not in STD:
-            return value, chain
-        if users[0].op_type == "Cast" and attr_int(users[0], "to", 0) not in (1, 10, 11, 16):
-            return value, chain
-        chain.append(users[0])
-        value = users[0].outputs[0]
+        if len(users) != 1 or users[0].domain not in STD:
+            return value, chain, transpose
+        user = users[0]
+        if transpose is None and is_op(user, "Transpose") and _swaps_axes(user):
+            # only mid-chain: a Transpose right before the column is the [T, E] form's
+            if consumers(user.outputs[0]) and _continues_chain(user.outputs[0]):
+                transpose, value = user, user.outputs[0]
+                continue
+            return value, chain, transpose
+        if user.op_type not in _SCORE_MAPS:
+            return value, chain, transpose
+        if user.op_type == "Cast" and attr_int(user, "to", 0) not in (1, 10, 11, 16):
+            return value, chain, transpose
+        chain.append(user)
+        value = user.outputs[0]
+
+
+def _swaps_axes(node: ir.Node) -> bool:
+    perm = node.attributes.get("perm")
+    return perm is not None and list(perm.as_ints()) == [1, 0]
+
+
+def _continues_chain(value: ir.Value) -> bool:
+    """The one consumer of ``value`` is an element-wise ``g`` op (the chain goes on)."""
+    users = consumers(value)
+    return len(users) == 1 and users[0].op_type in _SCORE_MAPS and users[0].domain in STD
 
 
 def _scatter_of_selection(routing: Routing) -> ir.Node | None:
@@ -93,15 +120,22 @@ def _scatter_of_selection(routing: Routing) -> ir.Node | None:
     return sc
 
 
-def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
-    """``Reshape(Transpose(S, [1, 0]), [-1, 1])``: S column-major as ``[E*T, 1]``."""
-    tr = only_consumer(scores, "the router scores S")
-    perm = tr.attributes.get("perm")
-    if not is_op(tr, "Transpose") or perm is None or list(perm.as_ints()) != [1, 0]:
-        raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
-    rs = only_consumer(tr.outputs[0], "the transposed scores")
-    if not is_op(rs, "Reshape") and scores.shape is not None and list(scores.shape)[:1] == [1]:
-        return tr.outputs[0], [tr]  # one token: [1, E] transposed is the column already
+def _column_of(scores: ir.Value, transposed: bool) -> tuple[ir.Value, list[ir.Node]]:
+    """``Reshape(Transpose(S, [1, 0]), [-1, 1])``: S column-major as ``[E*T, 1]``.
+
+    ``transposed``: ``scores`` is ``S^T`` already (the Transpose came before ``g``).
+    """
+    if transposed:
+        col_nodes, scores_t = [], scores
+    else:
+        tr = only_consumer(scores, "the router scores S")
+        if not is_op(tr, "Transpose") or not _swaps_axes(tr):
+            raise Refusal(f"{label(tr)}: the scores S are not transposed to [E, T]", tr)
+        col_nodes, scores_t = [tr], tr.outputs[0]
+    rs = only_consumer(scores_t, "the transposed scores")
+    one_token = scores_t.shape is not None and list(scores_t.shape)[1:] == [1]
+    if not is_op(rs, "Reshape") and one_token:
+        return scores_t, col_nodes  # one token: [1, E] transposed is the column already
     target = const_ints(rs.inputs[1]) if is_op(rs, "Reshape") else None
     # [-1, 1], or [n, 1] with n fixed (a static export): a Reshape of E*T elements to [n, 1]
     # runs only for n = E*T, so on every input the model runs on, it is the column
@@ -112,7 +146,7 @@ def _column_of(scores: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
         or not (target[0] == -1 or target[0] > 0)
     ):
         raise Refusal(f"{label(rs)}: the [E, T] scores are not flattened to [E*T, 1]", rs)
-    return rs.outputs[0], [tr, rs]
+    return rs.outputs[0], [*col_nodes, rs]
 
 
 def _repeated_tokens(value: ir.Value | None, tokens: ir.Value, experts: int) -> list[ir.Node]:
@@ -145,57 +179,6 @@ def _one_row_expanded(node: ir.Node | None, experts: int) -> bool:
     return len(shape) == 2 and shape[0] == experts and shape[1] in (1, src[1])
 
 
-def _zero_row_is_zero(mlp: ExpertMLP) -> bool:
-    """Every expert maps a zero row to zero: no biases, and act(0, ...) = 0 (evaluated)."""
-    if any(p.bias is not None for p in (*mlp.fc1, mlp.fc2)):
-        return False
-    inputs, inits, produced = [], [], {id(o) for n in mlp.act_nodes for o in n.outputs}
-    feeds: dict[str, np.ndarray] = {}
-    names: dict[int, str] = {}
-    for j, p in enumerate(mlp.fc1):
-        # float32 zeros: every op of an activation maps 0 to the same in any float type
-        # one row of the projection's rank (a stacked [E, T, N] activation splits along axis 2)
-        row = (1,) * (len(p.weight.shape) - 1) + (int(p.weight.shape[-1]),)
-        feeds[f"fc1_{j}"] = np.zeros(row, dtype=np.float32)
-        names[id(p.out)] = f"fc1_{j}"
-        inputs.append(onnx.helper.make_tensor_value_info(f"fc1_{j}", 1, None))
-    nodes = []
-    for n in mlp.act_nodes:
-        ins = []
-        for v in n.inputs:
-            if v is None:
-                ins.append("")
-                continue
-            if id(v) not in names:
-                if id(v) in produced:
-                    names[id(v)] = f"v{len(names)}"
-                else:
-                    array = const_array(v)
-                    if array is None:
-                        return False
-                    names[id(v)] = f"c{len(names)}"
-                    inits.append(onnx.numpy_helper.from_array(np.asarray(array), names[id(v)]))
-            ins.append(names[id(v)])
-        outs = []
-        for o in n.outputs:
-            names.setdefault(id(o), f"v{len(names)}")
-            outs.append(names[id(o)])
-        attrs = {k: a.value for k, a in n.attributes.items() if not a.is_ref()}
-        nodes.append(onnx.helper.make_node(n.op_type, ins, outs, **attrs))
-    out_name = names.get(id(mlp.act_out))
-    if out_name is None:
-        return False
-    graph = onnx.helper.make_graph(
-        nodes, "act", inputs, [onnx.helper.make_tensor_value_info(out_name, 1, None)], inits
-    )
-    try:
-        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
-        (out,) = ReferenceEvaluator(model).run(None, feeds)
-    except Exception:  # noqa: BLE001 - an activation the evaluator cannot run is not proved
-        return False
-    return bool(np.all(np.asarray(out) == 0))
-
-
 def read_prescaled(
     topk: ir.Node,
 ) -> tuple[Routing, DenseWeights, Combine, ExpertMLP, Prescale] | None:
@@ -219,7 +202,7 @@ def read_prescaled(
     fill = fill_like_scores(scatter.inputs[0], routing)
     if fill is None:
         return None
-    scores, chain = _score_chain(scatter)
+    scores, chain, transpose = _score_chain(scatter)
     g_fill = np.asarray(fill, dtype=np.float32)
     with np.errstate(over="ignore"):
         for n in chain:
@@ -227,12 +210,19 @@ def read_prescaled(
     if not np.all(g_fill == 0):
         return None
     users = consumers(scores)
-    if len(users) != 1 or not is_op(users[0], "Transpose"):
+    next_op = "Reshape" if transpose is not None else "Transpose"
+    if len(users) != 1 or not is_op(users[0], next_op):
         return None
-    return _prove(routing, scatter, chain, scores)
+    gathered = (scatter.outputs[0], tuple(chain)) if transpose is not None else (scores, ())
+    return _prove(routing, scores, transpose is not None, gathered)
 
 
-def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.Value):
+def _prove(
+    routing: Routing,
+    scores: ir.Value,
+    transposed: bool,
+    gathered: tuple[ir.Value, tuple[ir.Node, ...]],
+):
     e = routing.experts
     with part("routing"):
         routing.require_selection()
@@ -248,7 +238,7 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
                 f"cannot read the router behind TopK '{label(routing.topk)}'", routing.topk
             )
     with part("combine"):
-        column, col_nodes = _column_of(scores)
+        column, col_nodes = _column_of(scores, transposed)
         mul = only_consumer(column, "the scores column")
         if not is_op(mul, "Mul"):
             raise Refusal(f"{label(mul)}: the scores column does not scale the tokens", mul)
@@ -278,10 +268,15 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
         combine_nodes.append(inner)
         y = inner.inputs[0]
         inner = y.producer() if y is not None else None
-    if is_op(inner, "Reshape") and const_ints(inner.inputs[1]) == shape:
+    regroup = None  # the target of the Reshape nearest the sum, if any
+    while is_op(inner, "Reshape"):  # TorchScript: view(-1, H), then reshape(E, -1, H)
+        regroup = const_ints(inner.inputs[1]) if regroup is None else regroup
         combine_nodes.append(inner)
         y = inner.inputs[0]
+        inner = y.producer() if y is not None else None
     mlp = read_mlp(y, rank=3)
+    with part("combine"):
+        _check_regroup(regroup, e, mlp, root)
     with part("fc1"):
         for p in mlp.fc1:
             if p.lhs is not view.outputs[0]:
@@ -296,7 +291,7 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
                 f"stacked weights {mlp.fc2.weight.shape} are not [E, K, N]", mlp.fc2.nodes[0]
             )
     with part("activation"):
-        if not _zero_row_is_zero(mlp):
+        if not maps_zero_to_zero(mlp):
             raise Refusal(
                 "the unselected experts read zero rows, and an expert does not map a zero row "
                 "to zero (a bias, or an activation that is not 0 at 0): they would add to the "
@@ -305,7 +300,28 @@ def _prove(routing: Routing, scatter: ir.Node, chain: list[ir.Node], scores: ir.
             )
     mask = DenseWeights(routing.values, None, None, [*col_nodes, mul, *tile_nodes, view])
     combine = Combine(root, None, y, combine_nodes)
-    return routing, mask, combine, mlp, Prescale(scores, routing.values, sum_type)
+    return routing, mask, combine, mlp, Prescale(gathered[0], routing.values, sum_type, gathered[1])
+
+
+def _check_regroup(regroup: list[int] | None, experts: int, mlp: ExpertMLP, root: ir.Node):
+    """The Reshapes between the experts' ``[E, T, N]`` output and the sum give it back.
+
+    A Reshape keeps the elements' row-major order, so a chain of them is the identity when
+    the last target is ``[E, -1 | n, N]`` with the experts' E and N (the middle is then T).
+    """
+    if regroup is None:
+        return
+    n = mlp.fc2.weight.shape[-1]
+    if (
+        len(regroup) != 3
+        or regroup[0] != experts
+        or regroup[2] != n
+        or not (regroup[1] == -1 or regroup[1] > 0)
+    ):
+        raise Refusal(
+            f"{label(root)}: the experts' outputs are not regrouped to [E, T, N] before the sum",
+            root,
+        )
 
 
 _WIDER = {ir.DataType.FLOAT16: {1, 11}, ir.DataType.BFLOAT16: {1, 11}, ir.DataType.FLOAT: {11}}

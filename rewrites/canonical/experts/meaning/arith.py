@@ -311,6 +311,8 @@ def _added(described: list[Meaning]) -> Meaning:
     if isinstance(a.term, SlotSum) and isinstance(b.term, SlotSum):
         if a.term.inner.expert is not b.term.inner.expert or a.term.slots & b.term.slots:
             raise Departure("a sum of slot sums of other experts' outputs, or of a slot twice")
+        if getattr(a.term.inner, "shared", None) is not getattr(b.term.inner, "shared", None):
+            raise Departure("a sum of slot sums that add different values of the tokens")
         axes = broadcast_axes(a.axes, b.axes)
         return Meaning(axes, SlotSum(a.term.inner, a.term.slots | b.term.slots))
     raise Departure(f"a sum of {a.term.text()} and {b.term.text()}")

@@ -26,6 +26,9 @@ class Context:
     zeros: dict[int, Meaning] = field(default_factory=dict)
     #: the values between the router projection and the TopK (``id``s): the router's own
     router: frozenset[int] = frozenset()
+    #: graph positions of the nodes (``id``), and the TopK's: a node before it cannot read it
+    order: dict[int, int] = field(default_factory=dict)
+    topk_at: int = -1
 
     def names(self, *axes: tuple[str, ...]) -> list[list[str]]:
         """The index names of a layout of ``t`` and ``j`` axes as the analysis writes it.

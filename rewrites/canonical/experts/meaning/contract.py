@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import TOKEN_LAYOUTS, Interpretation
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.shared import routing_nodes, shared_value
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.sorted_combine import (
     PlusBase,
     ScaledWeights,
@@ -92,6 +93,9 @@ class LayerParts:
     weight_post: tuple[tuple[ir.Node, int], ...] = ()
     prescale: Weights | None = None
     base: ir.Value | None = None
+    # a [T, O] value of the tokens every expert's output added before the weighting
+    # (:mod:`.shared`): the layer plus (sum_j w) * shared
+    shared: ir.Value | None = None
 
 
 def stack_shape(p: Param) -> tuple[int, ...] | None:
@@ -190,6 +194,9 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     if isinstance(m.term, SlotSum | Weighted):  # Weighted: k = 1, the one slot
         weighted = m.term.inner if isinstance(m.term, SlotSum) else m.term
         fc2 = weighted.expert
+        shared = shared_value([weighted])
+        if isinstance(fc2, SegmentsProj) and shared is not None:
+            raise Departure("sorted expert segments with a value of the tokens added inside")
         if isinstance(fc2, SegmentsProj):  # sorted rows, each expert's whole MLP on its segment
             segments = [Weighted(weighted.weights, s) for s in fc2.segments]
             branches = [_branch(w, order) for w in segments]
@@ -197,7 +204,9 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
             branches = [_branch(weighted, order)]
     elif isinstance(m.term, ExpertSum):
         by_expert = dict(m.term.branches)  # past E: rows no token has (ids < E), dropped
-        branches = [_branch(by_expert[e], order) for e in sorted(by_expert) if e < found.experts]
+        kept = [by_expert[e] for e in sorted(by_expert) if e < found.experts]
+        shared = shared_value(kept)
+        branches = [_branch(w, order) for w in kept]
     else:
         raise Departure(f"the output holds {m.term.text()}")
     if len(branches) > 1:
@@ -230,6 +239,12 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
     weights = head.weighted.weights
     if isinstance(weights, UnitWeights) != (prescale is not None):
         raise Departure("the tokens are scaled by their weight, and weighted again")
+    if shared is not None and (prescale is not None or base is not None):
+        raise Departure("a value of the tokens added inside a combine of scaled or based rows")
+    if shared is not None:  # its gate is written from a copy of the router (``shared_parts``)
+        routing_nodes(head.weighted.weights.source, found.tokens)
+        if len(value_dims(_expert_tokens(found)) or ()) != 2:
+            raise Departure("a value of the tokens added inside a combine over [B, S] tokens")
     post = weights.post if isinstance(weights, ScaledWeights) else ()
     fc1 = tuple(projection([b.leaves[i] for b in branches]) for i in range(len(head.leaves)))
     fc2 = projection([b.weighted.expert for b in branches])
@@ -250,6 +265,7 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         post,
         prescale,
         base,
+        shared,
     )
 
 

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.contract import LayerParts, Projection
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import Interpretation
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.shared_parts import add_shared_term
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import Act, Param, Proj
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import const_shape, value_dims
 from onnx_moe_fuse.rewrites.canonical.experts.writer import GraphWriter
@@ -142,6 +143,9 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
         "ReduceSum", [mul.outputs[0], writer.ints("slots_axes", [1])], "out", keepdims=0
     )
     result = out.outputs[0]
+    if parts.shared is not None:  # sum_j w (FC2 + S): the layer plus (sum_j w) * S
+        assert found.tokens is not None
+        result = add_shared_term(writer, parts, weights, found.tokens, result)
     if parts.split_tokens is not None:
         shape = writer.node("Shape", [parts.split_tokens], "out_shape")
         result = writer.node("Reshape", [result, shape.outputs[0]], "out_split").outputs[0]

@@ -270,7 +270,14 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
         walk.push_users(twin.outputs[0])
         walk.push_users(twin.outputs[1])
     router = _router_nodes(topk)  # the router itself is no departure from the layer
-    ctx = Context(tokens, k, experts, router=_router_values(topk))
+    ctx = Context(
+        tokens,
+        k,
+        experts,
+        router=_router_values(topk),
+        order=order,
+        topk_at=order.get(id(topk), -1),
+    )
     ranges = _Ranges(ctx)
     departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from
     furthest: tuple[int, ir.Value] | None = None  # the value furthest along the layer

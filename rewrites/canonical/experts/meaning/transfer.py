@@ -18,6 +18,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     layout,
     pair_rows,
     rounds,
+    shared,
     sorted_combine,
     sorted_rows,
 )
@@ -64,6 +65,9 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         raise Departure(f"a {op} of a value this analysis does not describe")
     if op in _LAYOUT:
         return [_layout(node, first)]  # type: ignore[arg-type]
+    extra = shared.shared_transfer(node, ins, ctx)  # a value of the tokens inside the combine
+    if extra is not None:
+        return extra + [None] * (len(node.outputs) - len(extra))
     extra = sorted_combine.extra_transfer(node, ins, ctx)  # id tables, counts, sorted combines
     if extra is not None:
         return extra + [None] * (len(node.outputs) - len(extra))
