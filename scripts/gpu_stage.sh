@@ -5,8 +5,8 @@
 #
 # The device tool sends the checkout its session was started in, not a helper's worktree;
 # what else a run needs travels only as an ignored folder of that checkout named in `carry`.
-# This copies this checkout's tracked files (without sample_models/: the session checkout
-# sends its own, and 34 MB would break the 64 MiB upload limit) and its .gl/ and .whl/
+# This copies this checkout's tracked files (without sample_models/'s folders: the session
+# checkout sends its own, and 34 MB would break the 64 MiB upload limit) and its .gl/ and .whl/
 # (scripts/gpu_prepare.sh) into FOLDER (default .gpu-tree) of that checkout, and ignores
 # FOLDER there (.git/info/exclude). Then, from the session:
 #
@@ -28,7 +28,8 @@ grep -qxF "/$FOLDER/" "$git_dir/info/exclude" 2>/dev/null || echo "/$FOLDER/" >>
 
 rm -rf "$DEST"
 mkdir -p "$DEST"
-(cd "$SRC" && git ls-files -z | grep -zv '^sample_models/' | xargs -0 cp --parents -t "$DEST")
+# sample_models' own scripts travel (tests import sample_models/upcast.py); its models do not
+(cd "$SRC" && git ls-files -z | grep -zvE '^sample_models/.*/' | xargs -0 cp --parents -t "$DEST")
 for carried in .gl .whl; do
   if [ -d "$SRC/$carried" ]; then cp -r "$SRC/$carried" "$DEST/"; fi
 done
