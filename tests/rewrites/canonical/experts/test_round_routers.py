@@ -48,21 +48,3 @@ def test_static_zeros_accumulator_with_as_many_tokens_as_experts() -> None:
 def test_grouped_router_traps_refused(trap: str) -> None:
     miss = assert_refused(grouped_layer(trap=trap, seed=15))
     assert miss["part"] == "routing", miss
-
-
-@pytest.mark.parametrize(
-    ("stem", "part", "op", "words"),
-    [
-        # (DeepSpeed's top-2 gate fuses now: tests/rewrites/canonical/experts/
-        # test_capacity_dispatch.py holds its layers and traps)
-        # DeepSeek-V2's grouped router is read past: its flat (token, slot) rows are named
-        ("deepseek_v2_moe__dynamo_op18_static", "fc1", "NonZero", "flat (token, slot) rows"),
-    ],
-)
-def test_unfused_corpus_layers_name_the_expert_side_node(stem, part, op, words) -> None:  # noqa: ANN001
-    """Layers not fused yet: the near miss names the node past the router, not the router."""
-    from tests.pipeline import corpus_outcome
-
-    misses = corpus_outcome.fused(stem).report.near_misses
-    assert misses and misses[0]["part"] == part, misses
-    assert misses[0]["reason"].startswith(op) and words in misses[0]["reason"], misses[0]
