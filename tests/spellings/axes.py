@@ -141,7 +141,7 @@ MUTATIONS = (
     "negative_weight",  # can be negative (raw logits, or the weights minus 0.5)
     "capacity_drop",  # zeroed past an expert capacity of 1 token (Switch/GShard dropping)
     "silu_off",  # the hand-written SiLU off by a constant: h / (1 + Exp(-1.01 h))
-    "scatter_other_token",  # the scatter combine adds each row into the next token
+    "scatter_other_token",  # the scatter adds each row into the next row's token (slot k-1: t+1)
     "rows_other_token",  # the rows gathered by Range(T*k) % T: slot j of token t reads another
     "bias_other_ids",  # the biases gathered by (ids + 1) mod E, not by each slot's expert
 )
@@ -187,7 +187,8 @@ def needs_two_slots(mutation: str | None, routing: str) -> bool:
     Reversing the k slots of one is no change, and neither is taking another token's weight
     where the routing renormalises the k weights (one renormalised weight is 1, or the factor).
     """
-    if mutation in ("weights_other_experts", "rows_other_token"):  # k = 1: row r is token r
+    # k = 1: row r is token r, and a scatter only permutes the finished rows
+    if mutation in ("weights_other_experts", "rows_other_token", "scatter_other_token"):
         return True
     return mutation == "weights_other_token" and routing not in UNNORMALISED_ROUTINGS
 
