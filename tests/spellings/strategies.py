@@ -58,9 +58,7 @@ MEANING_AXES: dict[str, frozenset] = {
     "activation": frozenset({"silu_exp", "swiglu_exp", "gelu_tanh_hand"}),
     "combine": frozenset({"scatter_elements", "scatter_nd"}),
     "bias": frozenset({"en_unsqueeze", "e1n"}),
-    # silu_off needs a hand-written SiLU and scatter_other_token a scatter combine, neither
-    # of which fuses yet: no supported base to break (measured refused and named on all bases:
-    # silu_off 54 of 59, scatter_other_token 0 of 90, its near miss "not recognised")
+    # silu_off breaks a hand-written SiLU, scatter_other_token a scatter combine (at k >= 2)
     "mutation": frozenset({"silu_off", "scatter_other_token"}),
 }
 
@@ -76,7 +74,6 @@ NOT_YET: dict[str, frozenset] = {
     "activation": frozenset({"gelu_tanh_hand"}),
     "combine": frozenset({"scatter_elements"}),
     "bias": MEANING_AXES["bias"],
-    "mutation": MEANING_AXES["mutation"],
 }
 
 # Spellings that fuse on the current tree (measured with scripts/spelling_long_run.py; the
@@ -382,14 +379,7 @@ def supported_mutants(
     mutations = tuple(m for m in MUTATIONS if m in SUPPORTED["mutation"])
     if mutation is not None:
         mutations = (mutation,)
-    # Bases in the spellings only the analysis of meaning fuses are left out of the CI mutants:
-    # there some mutants are refused naming an earlier part than the one broken (a router
-    # reading a second input, on Tile rows, is named at FC1's rows; measured 2026-12-02); the
-    # long run measures them on every base.
-    allowed = {
-        axis: values - (MEANING_AXES.get(axis, frozenset()) if axis != "mutation" else frozenset())
-        for axis, values in SUPPORTED.items()
-    }
+    allowed = dict(SUPPORTED)  # the bases only the analysis of meaning fuses included
     if constructed is not None:
         family = {*CONSTRUCTED_ROUTINGS, "softmax_topk_raw"} if constructed else SOFTMAX_ROUTINGS
         allowed["routing"] = allowed["routing"] & frozenset(family)
