@@ -1,7 +1,7 @@
 """The spellings issue 18 names, for the generator (split out of ``build.py``/``build_experts.py``).
 
 * activations written out by hand in elementary ops (``silu_exp``, ``swiglu_exp``,
-  ``gelu_tanh_hand``) and their mutation ``silu_off`` (``Exp(-1.01 h)``);
+  ``gelu_tanh_hand``) and their mutation ``silu_off`` (``Exp(-1.1 h)``);
 * the ``T*k`` token rows repeated by Tile, by a Gather of ``Range(T*k) // k`` or by a Concat of
   k copies (``rows_tile``, ``rows_range``, ``rows_concat``), and the mutation
   ``rows_other_token`` (rows gathered by ``Range(T*k) % T``);
@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 
 
 def _exp_silu(layer: _Layer, v: str, sig_in: str) -> str:
-    """``v / (1 + Exp(-sig_in))`` (``silu_off``: ``Exp(-1.01 sig_in)``)."""
+    """``v / (1 + Exp(-sig_in))`` (``silu_off``: ``Exp(-1.1 sig_in)``).
+
+    The offset is 10 %: 1.01 moved the output by about 0.4 %, under the 8 float16 ulp (0.8 %)
+    that the behaviour check allows a float16 layer, whose twin then fused as SiLU.
+    """
     g = layer.g
     neg = g.node("Neg", [sig_in], "silu_neg")
     if layer.mutation == "silu_off":
-        neg = g.node("Mul", [neg, g.f32(1.01)], "silu_neg_off")
+        neg = g.node("Mul", [neg, g.f32(1.1)], "silu_neg_off")
     den = g.node("Add", [g.f32(1.0), g.node("Exp", [neg], "silu_exp")], "silu_den")
     return g.node("Div", [v, den], "silu")
 
