@@ -87,6 +87,7 @@ def test_routed_decode_shapes(device, rng, op):
             if op == "MoE" or ort_has_mode(call, attrs):
                 checked(out["outputT"], run_ort(call, attrs), f"{what} vs ORT")
             runs += 1
+    print(f"{op}: {runs} runs, trips {sorted(trips)}, {several_experts} with E > invocations")
     assert runs >= 12, runs
     assert max(trips) > 1, trips  # several trips over a row's pieces ran
     assert several_experts, "no run with more experts than invocations"
