@@ -308,7 +308,7 @@ def main() -> None:
             record["ortWebGpu"][f"{op}/{name}"] = web
             used = weights_read(op, call, case.attrs)
             flops = layer_flops(call, case.attrs)
-            chosen, times, stage_record, prefix_record = None, {}, {}, {}
+            chosen, times, stage_record, prefix_record, first = None, {}, {}, {}, None
             try:
                 probe = kernel.plan(attrs=case.attrs, tunables=tunables, **call)
                 chosen, rejected = probe.variant_id, probe.rejected
@@ -341,7 +341,13 @@ def main() -> None:
                 plan = kernel.plan(attrs=case.attrs, variant=vid, tunables=tunables | extra, **call)
                 ts, method, out = time_variant(kernel, plan, args.runs, args.budget)
                 t = times[label] = median(ts)
-                err = rel_err(out, reference) if reference is not None else float("nan")
+                if reference is not None:
+                    err = rel_err(out, reference)
+                elif first is None:  # --no-ort: the others are checked against the first
+                    err, first = float("nan"), (label, out)
+                else:
+                    err = rel_err(out, first[1])
+                    method = f"err vs {first[0]}; {method}"
                 decode = case_label(case.name, call)[1] <= 16 and ("decode" in vid or "gemv" in vid)
                 # Per-dispatch times: the planner's choice, and the decode variants, as
                 # many runs as fit the budget (none where one run alone overran it).
