@@ -51,7 +51,7 @@ if [ "$mode" = bench ] || [ "$mode" = half ] || [ "$mode" = decode ] || [ "$mode
   elif [ "$mode" = decode ]; then
     sweep='[{"decodeRoutedRows":1},{"decodeRoutedRows":4},{"decodeRoutedGroups":8},'
     sweep+='{"decodeRoutedGroups":2},{"decodeRoutedGroups":8,"decodeRoutedRows":4},'
-    sweep+='{"decodeFc2Rows":4},{"decodeFc2Rows":16}]'
+    sweep+='{"decodeInPlaceCodes":0},{"decodeFc2Rows":4},{"decodeFc2Rows":16}]'
     extra=(--ops qmoe moe --cases '*_a3b' --tokens 1 16 --stages --no-ort --budget 3
       --variants '*decode*' '*gemv*' --sweep "${DECODE_SWEEP:-$sweep}")
   else

@@ -7,7 +7,8 @@ test_kernel_qmoe.py / test_kernel_moe.py force them at their default tunables; h
 shapes those leave out: every group count G (1 to 8, dividing k or not), rows per
 workgroup not dividing I, several trips over a row's pieces (small workgroups), more
 experts than invocations (each ranks several), exact ties among the logits (the higher
-expert index first, as ORT), 1 to 16 tokens, and the plan a described H200 gets. Each run
+expert index first, as ORT), codes dequantised in place (the default) and shifted down, 1
+to 16 tokens, and the plan a described H200 gets. Each run
 poisons the outputs, is compared with the numpy oracle and with ORT CPU where ORT has the
 mode, fresh random inputs.
 """
@@ -47,6 +48,7 @@ SETTINGS = [
     {"decodeRoutedGroups": 2, "decodeRoutedRows": 1, "decodeRoutedWorkgroup": 16},
     {"decodeRoutedGroups": 8, "decodeRoutedRows": 5},
     {"decodeRoutedGroups": 4, "decodeRoutedRows": 2, "decodeRoutedWorkgroup": 8},
+    {"decodeInPlaceCodes": 0},  # codes shifted down, as decode_fused
 ]
 OPS = {
     "QMoE": ("quant_decode_routed", QMOE, qmoe_call, qmoe_oracle, run_ort_qmoe),
