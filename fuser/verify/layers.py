@@ -25,7 +25,6 @@ alone compares it.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import resource
 import time
@@ -40,13 +39,13 @@ import onnx
 from onnx_moe_fuse.errors import MoEFuseError
 from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.io.output_paths import size_text
+from onnx_moe_fuse.io.processes import worker_context
 from onnx_moe_fuse.verify.checker import PATHS, verify
+from onnx_moe_fuse.verify.coverage import covering_feeds
 from onnx_moe_fuse.verify.mapped_weights import UnpackFourBit, map_gathered_weights
 from onnx_moe_fuse.verify.quant_error import QuantizedTolerance
 from onnx_moe_fuse.verify.reference import (
     DEFAULT_DIM_VALUES,
-    feed_shapes,
-    random_feeds,
     reference_evaluator,
 )
 from onnx_moe_fuse.verify.reference_dq import DequantizeLinear
@@ -128,15 +127,13 @@ def _max_rel(report: Any) -> float:
 
 
 def _reference_outputs(
-    original: onnx.ModelProto, base_dir: Path, seeds: Sequence[int]
+    original: onnx.ModelProto, base_dir: Path, feeds: Mapping[int, Mapping[str, np.ndarray]]
 ) -> dict[int, dict[str, np.ndarray]]:
-    """The original region's outputs on each seed's fresh inputs (as :func:`verify` draws them).
+    """The original region's outputs on each seed's ``feeds``.
 
     ``original``'s external weights are read from ``base_dir``: those only gathered, from
     memory maps (:func:`.mapped_weights.map_gathered_weights`), the others into memory.
     """
-    dims = dict(DEFAULT_DIM_VALUES)
-    feed_shapes(original, dims)  # FeedTooLargeError before any work
     mapped = onnx.ModelProto()
     mapped.CopyFrom(original)
     weights = map_gathered_weights(mapped, base_dir)
@@ -144,9 +141,8 @@ def _reference_outputs(
     evaluator = reference_evaluator(mapped, extra_ops=(DequantizeLinear, UnpackFourBit))
     names = list(evaluator.output_names)
     out = {}
-    for seed in seeds:
-        feeds = random_feeds(original, int(seed), dims)  # the inputs verify draws, not weights
-        out[int(seed)] = dict(zip(names, evaluator.run(names, {**feeds, **weights}), strict=True))
+    for seed, given in feeds.items():
+        out[seed] = dict(zip(names, evaluator.run(names, {**given, **weights}), strict=True))
     return out
 
 
@@ -154,12 +150,19 @@ def _peak_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def _cpu_seconds() -> float:
+    """This process's user + system CPU seconds (a fresh process: the job's own)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def reference_job(
-    orig_cut: onnx.ModelProto, original_path: Path, seeds: Sequence[int]
-) -> tuple[dict[int, dict[str, np.ndarray]], float]:
-    """A layer's first process: the original region's outputs per seed, and its peak MiB."""
+    orig_cut: onnx.ModelProto, original_path: Path, feeds: Mapping[int, Mapping[str, np.ndarray]]
+) -> tuple[dict[int, dict[str, np.ndarray]], float, float]:
+    """A layer's first process: the original region's outputs per seed, peak MiB, CPU s."""
     select_before_dequantize(orig_cut)
-    return _reference_outputs(orig_cut, original_path.parent, seeds), _peak_mib()
+    refs = _reference_outputs(orig_cut, original_path.parent, feeds)
+    return refs, _peak_mib(), _cpu_seconds()
 
 
 def fused_job(
@@ -167,7 +170,7 @@ def fused_job(
     orig_cut: onnx.ModelProto,
     fused_cut: onnx.ModelProto,
     fused_path: Path,
-    seeds: Sequence[int],
+    feeds: Mapping[int, Mapping[str, np.ndarray]],
     quantization: QuantizedTolerance | None,
     limit: int | None,
     references: dict[int, dict[str, np.ndarray]],
@@ -179,17 +182,19 @@ def fused_job(
     report = verify(
         orig_cut,
         fused_cut,  # weights left in their file: ORT maps them, the wgpu path reads them
-        seeds=seeds,
+        seeds=list(feeds),
         paths=paths,
         quantization=quantization,
         references=references,
         fused_data_folder=fused_path.parent,
+        feeds=feeds,
     )
     record: dict[str, Any] = {
         "layer": name,
         "passed": report.passed,
         "max_rel": _max_rel(report),
         "peak_rss_mib": _peak_mib(),
+        "cpu_seconds": _cpu_seconds(),
         **report.to_dict(),
     }
     if adapter_note:
@@ -207,14 +212,21 @@ def _verify_layer(
     quantization: QuantizedTolerance | None,
     limit: int | None,
 ) -> dict[str, Any]:
-    """One layer: its original region in one fresh process, then its fused one in the next."""
+    """One layer: its original region in one fresh process, then its fused one in the next.
+
+    The inputs are drawn here, once for both, so that every expert is selected
+    (:func:`.coverage.covering_feeds`; seeds are added when the given ones are too few).
+    """
     original_path, fused_path = paths
     start = time.perf_counter()
-    refs, ref_peak = pool.submit(reference_job, orig_cut, original_path, seeds).result()
-    job = (fusion["name"], orig_cut, fused_cut, fused_path, seeds, quantization, limit, refs)
+    feeds, experts = covering_feeds(orig_cut, fused_cut, seeds, DEFAULT_DIM_VALUES)
+    refs, ref_peak, ref_cpu = pool.submit(reference_job, orig_cut, original_path, feeds).result()
+    job = (fusion["name"], orig_cut, fused_cut, fused_path, feeds, quantization, limit, refs)
     record = pool.submit(fused_job, *job).result()
     record["seconds"] = round(time.perf_counter() - start, 3)
+    record["cpu_seconds"] = round(record["cpu_seconds"] + ref_cpu, 3)
     record["peak_rss_mib"] = max(record["peak_rss_mib"], ref_peak)
+    record["experts"] = experts
     return record
 
 
@@ -255,11 +267,7 @@ def verify_layers(
     if available is not None and worst:
         jobs = max(1, min(jobs, available // worst))  # each job's processes hold one layer
     limit = _binding_limit()
-    context = mp.get_context(
-        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    )
-    if context.get_start_method() == "forkserver":
-        context.set_forkserver_preload(["onnx_moe_fuse.verify.layers"])
+    context = worker_context(__name__)
     layers: list[dict[str, Any]] = []
     # fresh processes per region: all of its memory goes back when it ends (in one process
     # glibc's arenas kept a fraction of each layer: 2.1 GiB for one, 4.7 for eight); a
