@@ -16,10 +16,11 @@ context from :func:`worker_context`, which preloads all of them.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 from multiprocessing.context import BaseContext
 
-__all__ = ["want_preloaded", "worker_context"]
+__all__ = ["single_threaded_blas", "want_preloaded", "worker_context"]
 
 _PRELOAD: list[str] = []
 
@@ -43,3 +44,40 @@ def worker_context(*modules: str) -> BaseContext:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOAD))
     return context
+
+
+#: The thread-count setters OpenBLAS builds export (plain, 64-bit-integer, numpy's scipy build).
+_BLAS_SETTERS = (
+    "openblas_set_num_threads",
+    "openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads",
+)
+
+
+def single_threaded_blas() -> bool:
+    """Have the OpenBLAS this process loaded (numpy's) use one thread; whether one was found.
+
+    For a worker whose products are many small matrix-vector ones (per-layer verification's
+    reference: one per picked expert and FC part): a second BLAS thread's hand-off costs more
+    than it saves, and on a loaded machine far more (2 shared cores, load 4: the Qwen3-size
+    reference took 7.8 s with two threads, 2.5 s with one). The environment variable cannot do
+    it here: the forkserver loaded numpy before any worker existed.
+    """
+    found = False
+    try:
+        with open("/proc/self/maps") as f:
+            libraries = {line.split()[-1] for line in f if "openblas" in line.lower()}
+    except OSError:
+        return False
+    for path in sorted(libraries):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _BLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                setter(1)
+                found = True
+    return found

@@ -39,7 +39,7 @@ import onnx
 from onnx_moe_fuse.errors import MoEFuseError
 from onnx_moe_fuse.io.model_io import load_model
 from onnx_moe_fuse.io.output_paths import size_text
-from onnx_moe_fuse.io.processes import worker_context
+from onnx_moe_fuse.io.processes import single_threaded_blas, worker_context
 from onnx_moe_fuse.verify.checker import PATHS, verify
 from onnx_moe_fuse.verify.coverage import covering_feeds
 from onnx_moe_fuse.verify.mapped_weights import UnpackFourBit, map_gathered_weights
@@ -49,6 +49,7 @@ from onnx_moe_fuse.verify.reference import (
     reference_evaluator,
 )
 from onnx_moe_fuse.verify.reference_dq import DequantizeLinear
+from onnx_moe_fuse.verify.reference_matmul import DequantizeMatMul, fuse_dequantize_matmul
 from onnx_moe_fuse.verify.regions import (
     layer_models,
     select_before_dequantize,
@@ -137,8 +138,11 @@ def _reference_outputs(
     mapped = onnx.ModelProto()
     mapped.CopyFrom(original)
     weights = map_gathered_weights(mapped, base_dir)
+    fuse_dequantize_matmul(mapped)
     mapped = load_model(mapped, base_dir=base_dir)
-    evaluator = reference_evaluator(mapped, extra_ops=(DequantizeLinear, UnpackFourBit))
+    evaluator = reference_evaluator(
+        mapped, extra_ops=(DequantizeLinear, UnpackFourBit, DequantizeMatMul)
+    )
     names = list(evaluator.output_names)
     out = {}
     for seed, given in feeds.items():
@@ -160,6 +164,7 @@ def reference_job(
     orig_cut: onnx.ModelProto, original_path: Path, feeds: Mapping[int, Mapping[str, np.ndarray]]
 ) -> tuple[dict[int, dict[str, np.ndarray]], float, float]:
     """A layer's first process: the original region's outputs per seed, peak MiB, CPU s."""
+    single_threaded_blas()  # one matrix-vector product per picked expert: no hand-offs
     select_before_dequantize(orig_cut)
     refs = _reference_outputs(orig_cut, original_path.parent, feeds)
     return refs, _peak_mib(), _cpu_seconds()

@@ -57,9 +57,7 @@ def test_the_rows_select_every_expert_with_their_own_values(fused_pair):
     assert sorted(feeds) == [0, 1]
     assert (rows + feeds[1][router].shape[0]) * TOP_K >= EXPERTS
     assert feeds[1][router].shape[0] <= rows
-    assert records == [
-        {"router": router, "experts": EXPERTS, "selected": EXPERTS, "seeds": [0, 1]}
-    ]
+    assert records == [{"router": router, "experts": EXPERTS, "selected": EXPERTS, "seeds": [0, 1]}]
     chosen = selected_experts(feeds[0][router], TOP_K) | selected_experts(feeds[1][router], TOP_K)
     assert chosen == set(range(EXPERTS))
     for seed, got in feeds.items():
