@@ -60,6 +60,7 @@ def test_every_fused_layer_passes_against_its_region(fused_pair, device):
         assert record["paths"]["ort"]["status"] == "passed"
         assert record["paths"]["wgpu"]["status"] == "passed"
         assert 0 < record["max_rel"] < 1e-4 and record["seconds"] > 0
+        assert 0 < record["cpu_seconds"] and record["peak_rss_mib"] <= got["estimate_mib"]
 
 
 def test_a_changed_fused_weight_fails_that_layer_only(fused_pair, tmp_path, device):
