@@ -55,6 +55,7 @@ from onnx_moe_fuse.verify.regions import (
     select_before_dequantize,
     value_infos,
 )
+from onnx_moe_fuse.verify.selected_only import wgpu_on_selected
 
 __all__ = ["FIXED_BYTES", "VerifyMemoryError", "estimate_bytes", "verify_layers"]
 
@@ -205,7 +206,21 @@ def fused_job(
         **report.to_dict(),
     }
     if adapter_note:
-        record["paths"]["wgpu"] = {"status": "skipped", "reason": adapter_note}
+        selected = wgpu_on_selected(
+            verify, orig_cut, fused_cut, fused_path.parent, feeds, references, limit,
+            quantization=quantization,
+        )  # fmt: skip
+        if selected is None:
+            record["paths"]["wgpu"] = {"status": "skipped", "reason": adapter_note}
+        else:
+            wgpu, messages = selected
+            record["paths"]["wgpu"] = wgpu.to_dict()
+            record["messages"] = [*record["messages"], *messages]
+            record["passed"] = record["passed"] and wgpu.status != "failed" and not messages
+            errs = [o.max_rel for o in wgpu.outputs.values() if o.per_seed]
+            record["max_rel"] = max([record["max_rel"], *errs])
+        record["cpu_seconds"] = _cpu_seconds()
+        record["peak_rss_mib"] = _peak_mib()
     return record
 
 

@@ -124,3 +124,31 @@ def test_an_expert_random_tokens_never_select_is_still_checked(
     monkeypatch.setattr(layers_mod, "covering_feeds", plain_feeds)
     assert verify_layers(src, bad, fusions, seeds=[0])["passed"]
     assert verify_layers(src, out, fusions, seeds=[0])["passed"]
+
+
+def test_a_layer_larger_than_the_adapter_binds_runs_its_selected_experts_there(
+    fused_pair, tmp_path, monkeypatch, device
+):
+    src, out, fusions = fused_pair
+    proto = onnx.load(str(out), load_external_data=False)
+    fc1 = next(t for t in proto.graph.initializer if t.name.endswith("fc1_experts_weights"))
+    whole = int(np.prod(fc1.dims))
+    limit = whole * 3 // 4  # the layer's FC1 does not fit, a seed's selected experts do
+    monkeypatch.setattr(layers_mod, "_binding_limit", lambda: limit)
+
+    got = verify_layers(src, out, fusions, seeds=[0])
+    (record,) = got["layers"]
+    assert got["passed"], record["messages"]
+    wgpu = record["paths"]["wgpu"]
+    assert wgpu["status"] == "passed" and "experts each seed selects" in wgpu["notes"][-1]
+    (output,) = wgpu["outputs"].values()
+    assert [s["seed"] for s in output["per_seed"]] == record["seeds"] == [0, 1]
+    assert 0 < output["max_rel"] < 1e-4
+
+    router = _router(fused_pair)
+    original_cut, _ = _cuts(fused_pair)
+    plain = selected_experts(random_feeds(original_cut, 0, DEFAULT_DIM_VALUES)[router], TOP_K)
+    bad = _corrupt_expert(out, tmp_path, min(set(range(EXPERTS)) - plain))
+    got = verify_layers(src, bad, fusions, seeds=[0])
+    (record,) = got["layers"]
+    assert not got["passed"] and record["paths"]["wgpu"]["status"] == "failed"
