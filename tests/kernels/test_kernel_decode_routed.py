@@ -46,15 +46,26 @@ MOE = [
 SETTINGS = [
     {},
     {"decodeRoutedGroups": 1, "decodeRoutedRows": 3},
-    {"decodeRoutedGroups": 2, "decodeRoutedRows": 1, "decodeRoutedWorkgroup": 16},
+    # workgroups of 2 and 1 subgroups (in lanes, resolved per adapter by ``for_adapter``):
+    # several trips over a row's pieces (16 and 8 invocations on lavapipe, 64 and 32 on the H200)
+    {"decodeRoutedGroups": 2, "decodeRoutedRows": 1, "decodeRoutedWorkgroup": ("lanes", 2)},
     {"decodeRoutedGroups": 8, "decodeRoutedRows": 5},
-    {"decodeRoutedGroups": 4, "decodeRoutedRows": 2, "decodeRoutedWorkgroup": 8},
+    {"decodeRoutedGroups": 4, "decodeRoutedRows": 2, "decodeRoutedWorkgroup": ("lanes", 1)},
     {"decodeInPlaceCodes": 0},  # codes shifted down, as decode_fused
 ]
 OPS = {
     "QMoE": ("quant_decode_routed", QMOE, qmoe_call, qmoe_oracle, run_ort_qmoe),
     "MoE": ("moe_decode_routed", MOE, moe_call, moe_oracle, run_ort_moe),
 }
+
+
+def for_adapter(tunables: dict, device) -> dict:  # noqa: ANN001
+    """``("lanes", n)`` -> n subgroups' invocations on this adapter (its measured width)."""
+    lanes = int(device.adapter_info.get("subgroupMaxSize", 32))
+    return {
+        name: value[1] * lanes if isinstance(value, tuple) else value
+        for name, value in tunables.items()
+    }
 
 
 def with_ties(rng: np.random.Generator, call: dict) -> dict:
@@ -69,7 +80,8 @@ def test_routed_decode_shapes(device, rng, op):
     kernel = get_kernel(f"com.microsoft.{op}")
     runs, trips, several_experts = 0, set(), 0
     for config in configs:
-        for n, tunables in enumerate(SETTINGS):
+        for n, setting in enumerate(SETTINGS):
+            tunables = for_adapter(setting, device)
             tokens = int(rng.choice([1, 2, 5, 16]))
             call, attrs = make_call(rng, config, tokens, 2)
             if n % 2:
