@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     arith,
+    chosen_rows,
     dense,
     indexing,
     layout,
@@ -71,6 +72,17 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     extra = sorted_combine.extra_transfer(node, ins, ctx)  # id tables, counts, sorted combines
     if extra is not None:
         return extra + [None] * (len(node.outputs) - len(extra))
+    chosen = chosen_rows.chosen_transfer(node, ins, ctx)  # tokens that chose e, E-wide scores
+    if chosen is not None:
+        return chosen + [None] * (len(node.outputs) - len(chosen))
+    if (
+        op in ("Gather", "GatherND")
+        and first is not None
+        and isinstance(first.term, chosen_rows.ScoreColumn)
+    ):
+        read = indexing.gather(node, first, ins[1], ctx) if op == "Gather" else None
+        read = read or indexing.gather_nd(node, first, ins[1], ctx)
+        return [chosen_rows.read_at_rows(read)]
     described = [m for m in ins if m is not None]
     if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
         if described and all(isinstance(m.term, Weights | Routing) for m in described):
