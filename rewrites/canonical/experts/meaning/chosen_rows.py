@@ -16,8 +16,9 @@ routing value (the top-k logits scattered into ``-inf`` and softmaxed). What eac
 * a ScatterElements at the ids along the last axis, a ``Where`` of the choices, or an
   element-wise map (Softmax, ...) of such a value is :class:`ExpertScores`: ``S[t, e]``, a routing
   value over every expert whose last axis is the expert ``e`` (whatever it holds elsewhere);
-* a Gather of ``S`` at the constant column ``e`` is :class:`ScoreColumn` ``S[t, e]``; read at the
-  rows ``@e`` (token ``t`` with ``idx[t, j] == e``) it is ``S[t, idx[t, j]]``: per-slot weights,
+* a Gather of ``S`` (or of the dense weights ``c[t, e] = sum_j w[t, j] [idx[t, j] == e]``,
+  which read at ``@e`` are ``w[t, j]`` themselves) at the constant column ``e`` is
+  :class:`ScoreColumn` ``S[t, e]``; read at the rows ``@e`` (token ``t`` with ``idx[t, j] == e``) it is ``S[t, idx[t, j]]``: per-slot weights,
   :class:`ScoreWeights`, the same value for every expert's branch. The emitter writes them as
   ``GatherElements(S, idx, axis=-1)``, so the fused node is fed exactly the values the model
   multiplies, whatever the fill of the unselected columns (``-inf``, ``-1e4``) or the map.
@@ -38,6 +39,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Chosen,
     Coords,
     Counts,
+    DenseWeights,
     Factor,
     Ids,
     Mask,
@@ -52,6 +54,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     is_const,
+    is_zeros,
     small_const,
     value_dims,
 )
@@ -90,16 +93,20 @@ class ExpertScores(Term):
 
 @dataclass(frozen=True, eq=False)
 class ScoreColumn(Term):
-    """``S[t, expert]``: one expert's column of :class:`ExpertScores`."""
+    """``S[t, expert]``: one expert's column of scores ``of`` over every expert.
 
-    scores: ExpertScores
+    ``weights``: what the column holds at the rows ``@expert``, per (token, slot) pair.
+    """
+
+    of: Term
     expert: int
+    weights: Weights
 
     progress = 1
 
     def text(self) -> str:
         """``S[t, e]`` at a constant ``e``."""
-        return f"column {self.expert} of {self.scores.text()}"
+        return f"column {self.expert} of {self.of.text()}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,7 +167,7 @@ def read_at_rows(out: Meaning) -> Meaning:
             f"a read of {term.text()} at the rows of expert {rows} (the weight of another "
             "expert than the one that chose the rows)"
         )
-    return Meaning(out.axes, ScoreWeights(term.scores.source))
+    return Meaning(out.axes, term.weights)
 
 
 def _chosen_rows(mask: Meaning) -> Meaning:
@@ -240,7 +247,9 @@ def _compared(node: ir.Node, m: Meaning) -> Meaning:
 def _column(node: ir.Node, m: Meaning) -> Meaning | None:
     """A Gather at a constant expert along the ``e`` axis: ``Chosen(e)``, or a score column."""
     term = m.term
-    if not isinstance(term, Chosen | ExpertScores) or (
+    if isinstance(term, DenseWeights) and not term.summed:
+        return None
+    if not isinstance(term, Chosen | ExpertScores | DenseWeights) or (
         isinstance(term, Chosen) and term.expert is not None
     ):
         return None
@@ -258,7 +267,11 @@ def _column(node: ir.Node, m: Meaning) -> Meaning | None:
     if experts.syms or not 0 <= e < experts.coef:
         raise Departure(f"a Gather of {term.text()} at {e}, not an expert")
     axes = (*m.axes[:axis], *m.axes[axis + 1 :])
-    return Meaning(axes, Chosen(e) if isinstance(term, Chosen) else ScoreColumn(term, e))
+    if isinstance(term, Chosen):
+        return Meaning(axes, Chosen(e))
+    if isinstance(term, DenseWeights):  # sum_j w[t, j] [idx[t, j] == e]: w itself at @e
+        return Meaning(axes, ScoreColumn(term, e, term.weights))
+    return Meaning(axes, ScoreColumn(term, e, ScoreWeights(term.source)))
 
 
 def _scores(node: ir.Node, token_axes: tuple[Axis, ...], ctx: Context) -> Meaning:
@@ -294,8 +307,8 @@ def _scattered_scores(node: ir.Node, ins: list[Meaning | None], ctx: Context) ->
         return None
     if not isinstance(updates.term, Weights | Routing) or data is not None:
         return None
-    if not _router_or_const(node.inputs[0], ctx):
-        return None
+    if not _router_or_const(node.inputs[0], ctx) or is_zeros(node.inputs[0]):
+        return None  # into zeros: the dense weights (:mod:`.dense`)
     if attr_int(node, "axis", 0) not in (-1, len(index.axes) - 1) or index.axes != updates.axes:
         raise Departure("a ScatterElements of router values along other than the expert axis")
     return _scores(node, index.axes[:-1], ctx)
