@@ -133,6 +133,13 @@ def chosen_transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> l
         return None
     if op == "NonZero" and first is not None and isinstance(first.term, Chosen):
         return [_chosen_rows(first)] if first.term.expert is not None else None
+    if op == "Slice" and first is not None and isinstance(first.term, RowIndex):
+        experts = sorted({filtered_expert(f.var) for f in first.factors()} - {None})  # type: ignore[type-var]
+        if experts:  # any other Slice of a row index departs too (it is no FC1 column pick)
+            raise Departure(
+                f"a Slice of the rows that chose expert {experts[0]} ({first.term.text()}): a cut "
+                "of an expert's rows, such as a capacity limit, drops the rows past it"
+            )
     if op in ("ReduceSum", "ReduceMax") and first is not None:
         found = _any_slot(node, first, ctx) or _chosen_count(node, first)
         return None if found is None else [found]

@@ -3,7 +3,8 @@
 Layout ops go to :mod:`.layout`, arithmetic and projections to :mod:`.arith` (dense forms to
 :mod:`.dense`), gathers, masks and scatters to :mod:`.indexing`, sorted rows and expert counts to
 :mod:`.sorted_rows` (histogram counts, index facts and the sorted combines to :mod:`.id_tables`
-and :mod:`.sorted_combine`); index tuples, copies and counts picked by constants are here. A node that
+and :mod:`.sorted_combine`), the tokens that chose an expert and columns of router values over every
+expert to :mod:`.chosen_rows`; index tuples, copies and counts picked by constants are here. A node that
 cannot be described raises :class:`~.layout.Departure` with what it computes instead.
 """
 

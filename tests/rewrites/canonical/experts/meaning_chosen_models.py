@@ -34,6 +34,7 @@ CHOSEN_TRAPS = (
     "same_mask_twice",  # expert 1's branch masks idx == 0: expert 0 added twice, 1 never
     "every_token",  # ReduceSum > -1: every token, whether it chose the expert or not
     "not_chosen",  # ReduceSum == 0: the tokens that did not choose the expert
+    "capacity_cut",  # makeMoE.py's nonzero(mask)[:capacity]: the rows past 2 are dropped
 )
 
 
@@ -95,6 +96,9 @@ def chosen_layer(
         tested = 0 if trap == "same_mask_twice" and e == 1 else e
         token_mask = _mask(g, ids, tested, mask, trap)
         rows = g.op("Transpose", [g.op("NonZero", [token_mask])], perm=[1, 0])  # [R, 1]
+        if trap == "capacity_cut":
+            zero = g.c(np.array([0]))
+            rows = g.op("Slice", [rows, zero, g.c(np.array([2])), zero])
         picked = g.op("GatherND", ["x", rows])
         hidden = g.op(
             "Relu", [g.op("Add", [g.op("MatMul", [picked, g.w(H, INTER)]), g.w(1, INTER)])]

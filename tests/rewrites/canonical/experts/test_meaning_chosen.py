@@ -77,6 +77,8 @@ def test_chosen_traps_refused(trap: str) -> None:
         assert "another expert" in miss["reason"], miss
     if trap == "same_mask_twice":
         assert "second time" in miss["reason"], miss
+    if trap == "capacity_cut":
+        assert "capacity limit" in miss["reason"], miss
     if trap in ("every_token", "not_chosen"):
         assert "that selects" in miss["reason"], miss
 
