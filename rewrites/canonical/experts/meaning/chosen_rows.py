@@ -13,7 +13,8 @@ routing value (the top-k logits scattered into ``-inf`` and softmaxed). What eac
 * the NonZero of ``Chosen(e)`` enumerates the tokens that chose ``e`` in token order. Token
   ``t`` chose ``e`` at exactly one slot, so these are the (token, slot) pairs ``@e`` of the mask
   ``idx == e`` in the same (row-major) order: the rows ``@e`` with index tuples of the token only;
-* a ScatterElements at the ids along the last axis, a ``Where`` of the choices, or an
+* a ScatterElements at the ids along the last axis, a ``Where`` of the choices (or of their
+  Not, ``masked_fill(logits, ~topk_mask, fill)``), or an
   element-wise map (Softmax, ...) of such a value is :class:`ExpertScores`: ``S[t, e]``, a routing
   value over every expert whose last axis is the expert ``e`` (whatever it holds elsewhere);
 * a Gather of ``S`` (or of the dense weights ``c[t, e] = sum_j w[t, j] [idx[t, j] == e]``,
@@ -61,7 +62,15 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
 from onnx_moe_fuse.rewrites.graph.dims import Dim
 from onnx_moe_fuse.rewrites.graph.facts import attr_int, node_axes, normalize_axes
 
-__all__ = ["ExpertScores", "ScoreColumn", "ScoreWeights", "chosen_transfer", "token_vars"]
+__all__ = [
+    "ExpertScores",
+    "ScoreColumn",
+    "ScoreWeights",
+    "Unchosen",
+    "chosen_transfer",
+    "read_at_rows",
+    "token_vars",
+]
 
 #: Comparisons and maps of a 0/1 value evaluated on its two values.
 _COMPARE = {
@@ -118,6 +127,17 @@ class ScoreWeights(Weights):
         return f"the routing weights S[t, idx[t, j]] ('{self.source.name}')"
 
 
+@dataclass(frozen=True)
+class Unchosen(Term):
+    """``[e not in idx[t, :]]`` over an ``e`` axis: the Not of the choices (``~topk_mask``)."""
+
+    progress = 1
+
+    def text(self) -> str:
+        """The negated choices."""
+        return "the 0/1 non-choices [e not in idx[t, :]]"
+
+
 def token_vars(axes: tuple[Axis, ...]) -> list[str] | None:
     """The vars of a layout of the tokens alone (``t``, or ``t.hi, t.lo``), else None."""
     names = [f.var for a in axes for f in a]
@@ -143,6 +163,11 @@ def chosen_transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> l
     if op in ("ReduceSum", "ReduceMax") and first is not None:
         found = _any_slot(node, first, ctx) or _chosen_count(node, first)
         return None if found is None else [found]
+    if op == "Not" and first is not None and isinstance(first.term, Chosen | Unchosen):
+        if isinstance(first.term, Unchosen):
+            return [Meaning(first.axes, Chosen())]
+        if first.term.expert is None:
+            return [Meaning(first.axes, Unchosen())]
     if first is not None and isinstance(first.term, Chosen) and first.term.expert is not None:
         if op in _COMPARE or op in ("Cast", "Not"):
             return [_compared(node, first)]
@@ -324,7 +349,9 @@ def _scattered_scores(node: ir.Node, ins: list[Meaning | None], ctx: Context) ->
 def _masked_scores(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning | None:
     """``Where(chosen [T, E], router values, fill)`` (``masked_fill``): scores."""
     cond = ins[0]
-    if cond is None or not isinstance(cond.term, Chosen) or cond.term.expert is not None:
+    if cond is None or not isinstance(cond.term, Chosen | Unchosen):
+        return None
+    if isinstance(cond.term, Chosen) and cond.term.expert is not None:
         return None
     if any(m is not None for m in ins[1:]):
         return None

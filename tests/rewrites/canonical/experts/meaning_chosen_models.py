@@ -8,7 +8,8 @@ a fill, softmaxed over every expert (``gating``); per expert ``e`` the tokens wh
 ScatterND).
 
 Router spellings (``router``): ``scatter`` (``full(-inf).scatter(-1, idx, topk_logits)``),
-``where`` (``logits.masked_fill(~topk_mask, -inf)``, the mask a scatter of ones), ``zeros``
+``where`` (``Where(topk_mask, logits, -inf)``, the mask a scatter of ones), ``where_not``
+(``logits.masked_fill(~topk_mask, -inf)``), ``zeros``
 (the softmax of the k logits scattered into zeros: the dense weights), ``fill``
 (a finite fill ``-1e4`` with logits of order 1e4: see :data:`FILL`). Mask spellings (``mask``):
 ``any`` (``Cast -> ReduceMax -> Cast(bool)``, dynamo's ``.any(-1)``), ``sum_gt`` (``ReduceSum
@@ -67,13 +68,17 @@ def _gating(g: _G, router: str) -> tuple[str, str]:
     logits = g.op("Add", [logits, g.c(bias.astype(np.float32))])
     vals, ids = g.op("TopK", [logits, g.c(np.array([K]))], 2)
     shape = g.op("Shape", [logits])
-    if router == "where":
+    if router in ("where", "where_not"):
         zeros = g.op("Expand", [g.c(np.array(0.0, np.float32)), shape])
         ones = g.op("Expand", [g.c(np.array(1.0, np.float32)), g.op("Shape", [ids])])
         chosen = g.op(
             "Cast", [g.op("ScatterElements", [zeros, ids, ones], axis=1)], to=onnx.TensorProto.BOOL
         )
-        sparse = g.op("Where", [chosen, logits, g.c(np.array(-np.inf, np.float32))])
+        minus_inf = g.c(np.array(-np.inf, np.float32))
+        if router == "where_not":  # masked_fill(logits, ~topk_mask, -inf)
+            sparse = g.op("Where", [g.op("Not", [chosen]), minus_inf, logits])
+        else:
+            sparse = g.op("Where", [chosen, logits, minus_inf])
     elif router == "zeros":  # the softmax of the k logits scattered into zeros
         w = g.op("Softmax", [vals], axis=-1)
         zeros = g.op("Expand", [g.c(np.array(0.0, np.float32)), shape])

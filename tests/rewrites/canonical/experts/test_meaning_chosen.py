@@ -30,6 +30,7 @@ from tests.rewrites.canonical.experts.meaning_chosen_models import (
         ("scatter", "sum_gt"),
         ("where", "sum_eq"),
         ("where", "any"),
+        ("where_not", "sum_gt"),
         ("zeros", "sum_gt"),
     ],
 )
