@@ -36,6 +36,7 @@ CHOSEN_TRAPS = (
     "every_token",  # ReduceSum > -1: every token, whether it chose the expert or not
     "not_chosen",  # ReduceSum == 0: the tokens that did not choose the expert
     "capacity_cut",  # makeMoE.py's nonzero(mask)[:capacity]: the rows past 2 are dropped
+    "scatter_k_minus_1",  # only the first k-1 top logits scattered: the last slot weighs 0
 )
 
 
@@ -57,7 +58,7 @@ def _mask(g: _G, ids: str, e: int, mask: str, trap: str | None) -> str:
     return g.op("Greater", [total, g.c(np.array(0, np.int64))])
 
 
-def _gating(g: _G, router: str) -> tuple[str, str]:
+def _gating(g: _G, router: str, trap: str | None = None) -> tuple[str, str]:
     """``(gating [T, E], ids [T, k])``."""
     scale = SPREAD if router == "fill" else 1.0
     logits = g.op(
@@ -86,7 +87,11 @@ def _gating(g: _G, router: str) -> tuple[str, str]:
     else:
         fill = FILL if router == "fill" else -np.inf
         full = g.op("Expand", [g.c(np.array(fill, np.float32)), shape])
-        sparse = g.op("ScatterElements", [full, ids, vals], axis=-1)
+        at, put = ids, vals
+        if trap == "scatter_k_minus_1":
+            lo, hi, axis = g.c(np.array([0])), g.c(np.array([K - 1])), g.c(np.array([1]))
+            at, put = (g.op("Slice", [v, lo, hi, axis]) for v in (ids, vals))
+        sparse = g.op("ScatterElements", [full, at, put], axis=-1)
     return g.op("Softmax", [sparse], axis=-1), ids
 
 
@@ -95,7 +100,7 @@ def chosen_layer(
 ) -> onnx.ModelProto:
     """The makeMoE-style loop (see the module)."""
     g = _G(seed)
-    gating, ids = _gating(g, router)
+    gating, ids = _gating(g, router, trap)
     acc = g.op("Expand", [g.c(np.array(0.0, np.float32)), g.op("Shape", ["x"])])
     for e in range(EXPERTS):
         tested = 0 if trap == "same_mask_twice" and e == 1 else e

@@ -78,14 +78,16 @@ def test_chosen_traps_refused(trap: str) -> None:
         assert "another expert" in miss["reason"], miss
     if trap == "same_mask_twice":
         assert "second time" in miss["reason"], miss
+    if trap == "scatter_k_minus_1":
+        assert "Slice of the expert indices" in miss["reason"], miss
     if trap == "capacity_cut":
         assert "capacity limit" in miss["reason"], miss
     if trap in ("every_token", "not_chosen"):
         assert "that selects" in miss["reason"], miss
 
 
-def _run_at(model, *at: tuple[str, int], x: np.ndarray) -> list[np.ndarray]:  # noqa: ANN001
-    """The values of output ``i`` of the first node of each ``(op_type, i)``, run in ORT CPU."""
+def _run_at(model, *at: tuple[str, int], x: np.ndarray, last: bool = False) -> list[np.ndarray]:  # noqa: ANN001
+    """The values of output ``i`` of the first (``last``: last) node of each ``(op_type, i)``."""
     import onnx
     import onnxruntime as ort
 
@@ -93,7 +95,22 @@ def _run_at(model, *at: tuple[str, int], x: np.ndarray) -> list[np.ndarray]:  # 
     copy.CopyFrom(model)
     del copy.graph.output[:]
     for op_type, i in at:
-        node = next(n for n in copy.graph.node if n.op_type == op_type)
+        nodes = [n for n in copy.graph.node if n.op_type == op_type]
+        node = nodes[-1] if last else nodes[0]
         copy.graph.output.append(onnx.ValueInfoProto(name=node.output[i]))
     sess = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})
+
+
+def test_scatter_of_k_minus_1_logits_is_another_layer() -> None:
+    """Measured: scattering only k-1 of the top logits is not makeMoE's layer (same weights).
+
+    Its last slot weighs exactly 0 and the others are renormalised over k - 1, so the top-k
+    softmax the fused op computes itself would be wrong; it is refused at the Slice of the ids.
+    """
+    x = np.random.default_rng(42).standard_normal((16, H)).astype(np.float32)
+    (honest,) = _run_at(chosen_layer(seed=41), ("ScatterND", 0), x=x, last=True)
+    (cut,) = _run_at(
+        chosen_layer(trap="scatter_k_minus_1", seed=41), ("ScatterND", 0), x=x, last=True
+    )
+    assert np.abs(cut - honest).max() / np.abs(honest).max() > 1e-2
