@@ -91,9 +91,8 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     mapped: dict[int, ir.Value] = {}
     weights = parts.weights
     if parts.weights_at_ids:  # S [.., E] read at each slot's expert: w[t, j] = S[t, idx[t, j]]
-        weights = writer.node("GatherElements", [weights, idx], "weights_at_ids", axis=-1).outputs[
-            0
-        ]
+        read = writer.node("GatherElements", [weights, idx], "weights_at_ids", axis=-1)
+        weights = read.outputs[0]
     tokens, weights = parts.tokens, _replayed(writer, weights, parts.weight_post)
     if parts.prescale is not None:  # k = 1: the tokens times their weight, then the weight 1
         scale = _replayed(writer, parts.prescale.source, getattr(parts.prescale, "post", ()))

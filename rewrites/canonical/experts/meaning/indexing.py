@@ -200,7 +200,10 @@ def _read_back(term):  # noqa: ANN001, ANN202 - any term
 
 
 def accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
-    """Zeros ``[T, O]`` as the empty sum of the experts' outputs (one per value)."""
+    """Zeros ``[T, O]`` (or ``[B, S, O]`` of split tokens) as the empty sum of the experts' outputs.
+
+    One per value, so a scatter into it and a gather from it read the same accumulator.
+    """
     if id(value) in ctx.zeros:
         return ctx.zeros[id(value)]
     dims = zeros_dims(value)

@@ -81,9 +81,8 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         and first is not None
         and isinstance(first.term, chosen_rows.ScoreColumn)
     ):
-        read = indexing.gather(node, first, ins[1], ctx) if op == "Gather" else None
-        read = read or indexing.gather_nd(node, first, ins[1], ctx)
-        return [chosen_rows.read_at_rows(read)]
+        gather = indexing.gather if op == "Gather" else indexing.gather_nd
+        return [chosen_rows.read_at_rows(gather(node, first, ins[1], ctx))]
     described = [m for m in ins if m is not None]
     if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
         if described and all(isinstance(m.term, Weights | Routing) for m in described):
