@@ -272,7 +272,8 @@ def _compared(node: ir.Node, m: Meaning) -> Meaning:
     what = {(1, 0): "the tokens that did not choose", (1, 1): "every token, whether it chose",
             (0, 0): "no token, whatever it chose"}[tuple(table)]  # type: ignore[index]  # fmt: skip
     raise Departure(
-        f"a {op} of [{term.expert} in idx[t, :]] that selects {what} expert {term.expert}"
+        f"{'an' if op[0] in 'AEIOU' else 'a'} {op} of [{term.expert} in idx[t, :]] that selects "
+        f"{what} expert {term.expert}"
     )
 
 
