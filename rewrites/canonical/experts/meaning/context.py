@@ -29,6 +29,10 @@ class Context:
     #: graph positions of the nodes (``id``), and the TopK's: a node before it cannot read it
     order: dict[int, int] = field(default_factory=dict)
     topk_at: int = -1
+    #: the router rows' token axes (``t``, or ``t.hi, t.lo`` of ``[B, S, H]`` rows)
+    token_axes: tuple = ()
+    #: the walk's meanings so far (``id`` of a value -> (value, meaning)), to read a shape's source
+    meanings: dict = field(default_factory=dict)
 
     def names(self, *axes: tuple[str, ...]) -> list[list[str]]:
         """The index names of a layout of ``t`` and ``j`` axes as the analysis writes it.

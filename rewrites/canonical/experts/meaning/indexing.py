@@ -70,6 +70,7 @@ from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value
 
 __all__ = [
+    "accumulator",
     "coords_select",
     "dequantize",
     "equal",
@@ -198,12 +199,23 @@ def _read_back(term):  # noqa: ANN001, ANN202 - any term
     return AccRows(term) if isinstance(term, ExpertSum) else term
 
 
-def _accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
-    """Zeros ``[T, O]`` as the empty sum of the experts' outputs (one per value)."""
+def accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
+    """Zeros ``[T, O]`` (or ``[B, S, O]`` of split tokens) as the empty sum of the experts' outputs.
+
+    One per value, so a scatter into it and a gather from it read the same accumulator.
+    """
     if id(value) in ctx.zeros:
         return ctx.zeros[id(value)]
     dims = zeros_dims(value)
-    if not is_zeros(value) or dims is None or len(dims) != 2 or dims[0] != ctx.tokens:
+    if not is_zeros(value) or dims is None:
+        return None
+    split = [a for a in ctx.token_axes if a]
+    if len(dims) == 3 and len(split) == 2 and [axis_size(a) for a in split] == dims[:2]:
+        # zeros_like of [B, S, H] tokens: the accumulator laid out as the tokens are
+        m = Meaning((*split, (Factor("o", dims[2]),)), ExpertSum(()))
+        ctx.zeros[id(value)] = m
+        return m
+    if len(dims) != 2 or dims[0] != ctx.tokens:
         return None
     m = Meaning(((Factor("t", ctx.tokens),), (Factor("o", dims[1]),)), ExpertSum(()))
     ctx.zeros[id(value)] = m
@@ -236,8 +248,8 @@ def _constant_data(value: ir.Value, index: Meaning | None, ctx: Context) -> Mean
     ``zeros_like(x)``) are not taken for an expert stack.
     """
     if index is not None and isinstance(index.term, RowIndex | Coords):
-        return _accumulator(ctx, value) or expert_stack(value, ctx.experts)
-    return expert_stack(value, ctx.experts) or _accumulator(ctx, value)
+        return accumulator(ctx, value) or expert_stack(value, ctx.experts)
+    return expert_stack(value, ctx.experts) or accumulator(ctx, value)
 
 
 def gather(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: Context) -> Meaning:
@@ -455,7 +467,7 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if unsorted is not None:
         return unsorted
     if data is None:
-        data = _accumulator(ctx, node.inputs[0])
+        data = accumulator(ctx, node.inputs[0])
     if data is None or not isinstance(data.term, ExpertSum):
         raise Departure(
             f"a {node.op_type} into other than zeros or the experts' accumulated sum"
