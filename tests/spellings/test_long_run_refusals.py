@@ -1,0 +1,118 @@
+"""Equivalent layers the long run found refused: each fuses now and matches its reference.
+
+``scripts/spelling_long_run.py --examples 300 --mutants 0 --seed 18`` (2026-12-02, main) refused
+equivalent layers for reasons the analysis of meaning (or a part recogniser) did not read. Each
+case below is one of them (or the smallest layer with its spellings), written out as a
+:class:`~.case.LayerCase`; ``check_equivalent`` fuses it and requires the expected op and
+attributes and the fused model's numbers to match ORT CPU on the original and the numpy
+reference (``reference.py``) on fresh random inputs within 1e-5 scale-aware.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from .outcomes import check_equivalent
+from .strategies import SMALL_BASE, LayerCase, with_routing
+
+RANK3 = {"rank": 3, "token_dims": (2, 3)}
+
+CASES: list[tuple[str, LayerCase]] = [
+    # GatherElements of the ids from [B, S, E] router values: the weights of a biased choice
+    # on rank-3 router rows (the bias makes the rules refuse first, the analysis reads it)
+    (
+        "gather_elements_rank3_biased",
+        replace(with_routing(SMALL_BASE, "biased_selection"), bias="e1n", **RANK3),
+    ),
+    (
+        "gather_elements_rank3_long_run",
+        LayerCase(
+            router="matmul_bias",
+            routing="biased_selection",
+            experts="gather_reshape",
+            activation="gelu_tanh_hand",
+            combine="matmul_row",
+            weight_dtype="float32",
+            granularity="block32",
+            zero_point="absent",
+            rank=3,
+            shapes="static",
+            hidden=48,
+            inter=16,
+            experts_count=5,
+            top_k=2,
+            token_dims=(3, 3),
+            seed=148,
+            bias="e1n",
+        ),
+    ),  # fmt: skip
+    # routing weights of [B, S, k] layout through renormalising arithmetic (rank-3 biases)
+    ("bias_en_unsqueeze_rank3", replace(SMALL_BASE, bias="en_unsqueeze", **RANK3)),
+    ("bias_e1n_rank3_relu", replace(SMALL_BASE, bias="e1n", activation="relu", **RANK3)),
+    # the up projection's gathered bias is the SwiGLU's linear operand, not its beta (the
+    # rank-3 per-slot form adds the biases after the unit axis is dropped)
+    ("bias_after_reshape_separate_up_rank3", replace(SMALL_BASE, bias="after_reshape", **RANK3)),
+    # one static token at k = 1: Range(T*k) // k gathers the one row of a unit axis
+    (
+        "rows_range_one_token_k1",
+        LayerCase(
+            router="matmul",
+            routing="biased_selection",
+            experts="rows_range",
+            activation="swiglu_exp",
+            combine="einsum",
+            weight_dtype="float32",
+            granularity="channel",
+            zero_point="explicit",
+            rank=3,
+            shapes="static",
+            hidden=48,
+            inter=48,
+            experts_count=2,
+            top_k=1,
+            token_dims=(1, 1),
+            seed=220,
+            opset_version=23,
+        ),
+    ),  # fmt: skip
+    # one static token, k = 3: the scatter's zeros accumulator has no token index either
+    (
+        "scatter_elements_one_token_k3",
+        LayerCase(
+            router="matmul_bias",
+            routing="biased_selection",
+            experts="rows_gathernd",
+            activation="swiglu_split",
+            combine="scatter_elements",
+            weight_dtype="uint8",
+            granularity="channel",
+            zero_point="asymmetric",
+            rank=2,
+            shapes="static",
+            hidden=48,
+            inter=48,
+            experts_count=3,
+            top_k=3,
+            token_dims=(1,),
+            seed=2641,
+        ),
+    ),  # fmt: skip
+    (
+        "scatter_nd_one_token_k2",
+        replace(
+            SMALL_BASE,
+            experts="rows_gathernd",
+            combine="scatter_nd",
+            shapes="static",
+            token_dims=(1,),
+        ),
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("case", [c for _, c in CASES], ids=[name for name, _ in CASES])
+def test_equivalent_layer_fuses_and_matches(case: LayerCase) -> None:
+    outcome = check_equivalent(case, runs=3)
+    assert outcome.kind == "fused", f"{case.label()}: {outcome}"
