@@ -5,7 +5,8 @@ equivalent layers for reasons the analysis of meaning (or a part recogniser) did
 case below is one of them (or the smallest layer with its spellings), written out as a
 :class:`~.case.LayerCase`; ``check_equivalent`` fuses it and requires the expected op and
 attributes and the fused model's numbers to match ORT CPU on the original and the numpy
-reference (``reference.py``) on fresh random inputs within 1e-5 scale-aware.
+reference (``reference.py``) on fresh random inputs within 1e-5 scale-aware. A layer refused
+on purpose names its part, with no second near miss that reads "not recognised".
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import replace
 
 import pytest
 
+from onnx_moe_fuse import fuse
+
+from .build import build_case
 from .outcomes import check_equivalent
 from .strategies import SMALL_BASE, LayerCase, with_routing
 
@@ -116,3 +120,19 @@ CASES: list[tuple[str, LayerCase]] = [
 def test_equivalent_layer_fuses_and_matches(case: LayerCase) -> None:
     outcome = check_equivalent(case, runs=3)
     assert outcome.kind == "fused", f"{case.label()}: {outcome}"
+
+
+def test_a_refused_top1_layer_has_no_unrecognised_twin() -> None:
+    # Switch's ArgMax and ReduceMax are two TopK(1) on the working copy: the layer refused on
+    # purpose (8-bit in several blocks) names its target; its twin TopK is the same router
+    case = replace(
+        with_routing(SMALL_BASE, "argmax_top1"), weight_dtype="int8", granularity="block32",
+        hidden=64, inter=32,
+    )  # fmt: skip
+    built = build_case(case)
+    result = fuse(built.model)
+    assert not result.report.fusions
+    reasons = [m["reason"] for m in result.report.near_misses]
+    assert reasons and all(not r.startswith("not recognised") for r in reasons), reasons
+    assert any(m["part"] == "target" for m in result.report.near_misses), reasons
+    assert result.model.SerializeToString() == built.model.SerializeToString()
