@@ -18,8 +18,8 @@ import pytest
 from onnx_moe_fuse import fuse
 
 from .build import build_case
-from .outcomes import check_equivalent
-from .strategies import SMALL_BASE, LayerCase, with_routing
+from .outcomes import check_equivalent, check_mutant
+from .strategies import SMALL_BASE, LayerCase, mutant_of, with_routing
 
 RANK3 = {"rank": 3, "token_dims": (2, 3)}
 
@@ -58,6 +58,21 @@ CASES: list[tuple[str, LayerCase]] = [
     # the up projection's gathered bias is the SwiGLU's linear operand, not its beta (the
     # rank-3 per-slot form adds the biases after the unit axis is dropped)
     ("bias_after_reshape_separate_up_rank3", replace(SMALL_BASE, bias="after_reshape", **RANK3)),
+    # Switch's top-1 (ArgMax and ReduceMax: twin TopKs on the copy) with biases on rank-3
+    # rows: the biases are gathered by the same indices as the weights (the twin's)
+    (
+        "biases_argmax_top1_rank3",
+        replace(with_routing(SMALL_BASE, "argmax_top1"), bias="e1n", **RANK3),
+    ),
+    (
+        "biases_argmax_top1_rank3_split",
+        replace(
+            with_routing(SMALL_BASE, "argmax_top1"),
+            bias="en_unsqueeze",
+            activation="swiglu_split",
+            **RANK3,
+        ),
+    ),  # fmt: skip
     # one static token at k = 1: Range(T*k) // k gathers the one row of a unit axis
     (
         "rows_range_one_token_k1",
@@ -120,6 +135,15 @@ CASES: list[tuple[str, LayerCase]] = [
 def test_equivalent_layer_fuses_and_matches(case: LayerCase) -> None:
     outcome = check_equivalent(case, runs=3)
     assert outcome.kind == "fused", f"{case.label()}: {outcome}"
+
+
+@pytest.mark.parametrize("rank", [RANK3, {}], ids=["rank3", "rank2"])
+def test_top1_biases_at_other_ids_are_refused(rank: dict) -> None:
+    base = replace(with_routing(SMALL_BASE, "argmax_top1"), bias="e1n", **rank)
+    mutant = mutant_of(base, "bias_other_ids")
+    assert mutant is not None
+    outcome = check_mutant(mutant)
+    assert outcome.kind == "refused", f"{mutant.label()}: {outcome}"
 
 
 def test_a_refused_top1_layer_has_no_unrecognised_twin() -> None:
