@@ -19,7 +19,7 @@ both. Usage::
     .venv/bin/python benchmarks/bench_moe_kernels.py [--ops qmoe moe] [--cases GLOB ...]
         [--runs 10] [--budget 20] [--all] [--ort-threads N] [--ort-webgpu DIR]
         [--ort-webgpu-results JSON] [--json OUT] [--plot PNG] [--table TXT] [--chosen-only]
-        [--dtype float32 float16]
+        [--dtype float32 float16] [--tokens 1 16] [--stages] [--sweep JSON]
 
 Last it prints the comparison table (``moe_report.py``): per layer and token count our
 kernel (the planner's choice, and the fastest variant where others were timed) against
@@ -30,6 +30,18 @@ layer (matplotlib), ``--table`` writes the comparison tables as text, ``--chosen
 the planner's choice alone (a shorter run), ``--dtype float32 float16`` runs every case in
 both (float16: the same draws rounded, on the float16 kernels; a table of float16 against
 float32 follows). On the GPU machine: ``scripts/gpu_run.sh``.
+
+``--tokens 1 16`` keeps the cases of those token counts. ``--stages`` times, for every
+timed variant, each prefix of its dispatches alone (the first n dispatches in one pass, for
+n = 1 .. all; ``Kernel.prefix_times``) and prints each dispatch's added cost: unlike the
+timestamps inside one pass, which overlap on the H200, these add up to the run. ``--sweep``
+takes a JSON list of tunable objects (``'[{"decodeRoutedRows": 2}, {"decodeRoutedGroups":
+8}]'``): every variant is timed with the base tunables and with each of these merged in
+(rows labelled ``variant{...}``; a setting a variant's conditions refuse is listed so). The
+decode measurement of issue 20::
+
+    bench_moe_kernels.py --ops qmoe moe --cases '*_a3b' --tokens 1 16 --stages --no-ort \
+        --variants '*decode*' '*gemv*' --budget 4 --sweep '[...]'
 
 ``--budget`` caps the seconds spent timing one (case, variant): slow adapters (lavapipe)
 get fewer runs. Cases where no variant fits this adapter are skipped unless ``--all``.
@@ -174,6 +186,25 @@ def case_label(name: str, call: dict) -> tuple[str, int]:
     return name.split("_", 1)[1], call["inputT"].size // hidden
 
 
+def variant_constants(plan) -> dict:
+    """The chosen variant's template constants, evaluated (what a tunable setting changes)."""
+    return {k: plan.scope.evaluate(v, k) for k, v in plan.variant.constants.items()}
+
+
+def case_tokens(case) -> int:
+    """A case's token count, from its input's declared shape (nothing drawn)."""
+    return math.prod(case.inputs["inputT"]["shape"][:-1])
+
+
+def prefix_text(prefixes: list[tuple[str, float]]) -> str:
+    """Each dispatch's added cost from the prefix times, e.g. ``route 5.1 + fc1 +8.0 us``."""
+    parts, before = [], 0.0
+    for lab, sec in prefixes:
+        parts.append(f"{lab} +{(sec - before) * 1e6:.1f}")
+        before = sec
+    return "prefix us: " + ", ".join(parts) + f" (= {before * 1e6:.1f})"
+
+
 def _fits(case, device) -> dict[str, int]:
     """The inputs above one storage binding (the packages' bindingsFit rule), by shape."""
     limit = min(device.limits["maxStorageBufferBindingSize"], device.limits["maxBufferSize"])
@@ -218,8 +249,14 @@ def main() -> None:
         choices=["float32", "float16"],
         help="activation dtypes to run each case in (float16: the float16 kernels)",
     )
+    parser.add_argument("--tokens", nargs="*", type=int, default=None, help="token counts to run")
+    parser.add_argument(
+        "--stages", action="store_true", help="time every variant's dispatch prefixes (GPU)"
+    )
+    parser.add_argument("--sweep", default=None, help="JSON list of tunable objects to try too")
     args = parser.parse_args()
     tunables = json.loads(args.tunables) if args.tunables else {}
+    sweep = [{}] + (json.loads(args.sweep) if args.sweep else [])
 
     device = default_device()
     print(
@@ -250,6 +287,8 @@ def main() -> None:
         for case, dtype in [(c, d) for c in load_cases(folder / "bench.json") for d in args.dtype]:
             if args.cases and not any(fnmatch.fnmatch(case.name, g) for g in args.cases):
                 continue
+            if args.tokens and case_tokens(case) not in args.tokens:
+                continue
             name = case.name if dtype == "float32" else f"{case.name}@{dtype}"
             too_big = _fits(case, device)
             if too_big and not args.all:
@@ -269,44 +308,69 @@ def main() -> None:
             record["ortWebGpu"][f"{op}/{name}"] = web
             used = weights_read(op, call, case.attrs)
             flops = layer_flops(call, case.attrs)
-            chosen, times, stage_record = None, {}, {}
+            chosen, times, stage_record, prefix_record, first = None, {}, {}, {}, None
             try:
                 probe = kernel.plan(attrs=case.attrs, tunables=tunables, **call)
                 chosen, rejected = probe.variant_id, probe.rejected
             except KernelCallError as exc:
                 rejected = {vid: str(exc).split(": ", 1)[-1] for vid in kernel.variants}
-            for vid in kernel.variants:
+            for vid, extra in [(v, s) for v in kernel.variants for s in sweep]:
                 if args.variants and not any(fnmatch.fnmatch(vid, g) for g in args.variants):
                     continue
+                label = vid + (json.dumps(extra, separators=(",", ":")) if extra else "")
+                if extra and vid not in rejected:
+                    try:
+                        swept = kernel.plan(
+                            attrs=case.attrs, variant=vid, tunables=tunables | extra, **call
+                        )
+                    except KernelCallError as exc:
+                        rows.append([op, name, label, "-", "-", "-", "-", str(exc)[-100:]])
+                        continue
+                    base = kernel.plan(attrs=case.attrs, variant=vid, tunables=tunables, **call)
+                    if variant_constants(swept) == variant_constants(base):
+                        continue  # the setting does not change this variant's shaders
                 if vid in rejected:
-                    if not vid.endswith("zero_inter"):
+                    if not vid.endswith("zero_inter") and not extra:
                         rows.append([op, name, vid, "-", "-", "-", "-", rejected[vid][:100]])
                     continue
                 if args.chosen_only and vid != chosen:
                     continue
                 if any(fnmatch.fnmatch(f"{name}:{vid}", g) for g in args.skip):
-                    rows.append([op, name, vid, "-", "-", "-", "-", "skipped (--skip)"])
+                    rows.append([op, name, label, "-", "-", "-", "-", "skipped (--skip)"])
                     continue
-                plan = kernel.plan(attrs=case.attrs, variant=vid, tunables=tunables, **call)
+                plan = kernel.plan(attrs=case.attrs, variant=vid, tunables=tunables | extra, **call)
                 ts, method, out = time_variant(kernel, plan, args.runs, args.budget)
-                t = times[vid] = median(ts)
-                err = rel_err(out, reference) if reference is not None else float("nan")
+                t = times[label] = median(ts)
+                if reference is not None:
+                    err = rel_err(out, reference)
+                elif first is None:  # --no-ort: the others are checked against the first
+                    err, first = float("nan"), (label, out)
+                else:
+                    err = rel_err(out, first[1])
+                    method = f"err vs {first[0]}; {method}"
                 decode = case_label(case.name, call)[1] <= 16 and ("decode" in vid or "gemv" in vid)
                 # Per-dispatch times: the planner's choice, and the decode variants, as
                 # many runs as fit the budget (none where one run alone overran it).
                 stage_runs = min(5, int(args.budget / max(t, 1e-6)))
-                if (vid == chosen or decode) and stage_runs >= 1:
+                if (vid == chosen or decode or args.stages) and stage_runs >= 1:
                     stages = kernel.stage_times(plan, runs=stage_runs, warmup_seconds=0.2)
                     if stages:
                         method += "; stages us: " + ", ".join(
                             f"{lab} {sec * 1e6:.1f}" for lab, sec in stages
                         )
-                        stage_record[vid] = stages
+                        stage_record[label] = stages
+                if args.stages and stage_runs >= 1:
+                    prefixes = kernel.prefix_times(
+                        plan, runs=max(5, stage_runs), warmup_seconds=0.2
+                    )
+                    if prefixes:
+                        method += "; " + prefix_text(prefixes)
+                        prefix_record[label] = prefixes
                 rows.append(
                     [
                         op,
                         name,
-                        vid,
+                        label,
                         f"{t * 1e3:.3f}",
                         f"{err:.1e}",
                         f"{used / t / bandwidth:.1%}",
@@ -328,6 +392,7 @@ def main() -> None:
                 "flops": flops,
                 "tunables": tunables,
                 "stageSeconds": stage_record,
+                "prefixSeconds": prefix_record,
             }
             record["cases"].append(entry)
             if args.json:  # after every case: a run cut short keeps what it measured

@@ -294,6 +294,60 @@ class Kernel:
         finally:
             buffers.destroy()
 
+    def prefix_times(
+        self, plan: Plan, runs: int = 10, warmup_seconds: float = 0.5
+    ) -> list[tuple[str, float]] | None:
+        """Median GPU seconds of the plan's first n dispatches, for n = 1 .. all, labelled.
+
+        Each prefix runs alone in its own compute pass, timed from the start of the pass to
+        its end, so the difference between consecutive prefixes is what adding that
+        dispatch costs, barrier and launch included. On the H200 the timestamps written
+        *inside* one pass (:meth:`stage_times`) overlap and add up to more than the run;
+        these do not. Later dispatches read what earlier ones wrote, so every prefix is a
+        valid run. None without the adapter's ``timestamp-query`` feature.
+        """
+        import wgpu
+
+        if "timestamp-query" not in self.device.features:
+            return None
+        d = self.device.device
+        buffers, _ = self.recorder.allocate(self.device, plan, poison_outputs=False)
+        try:
+            commands = self.recorder.record(self.device, plan, buffers)
+            if not commands:
+                return []
+            warm_up(d, commands, f"{self.name}.warmup", 1, warmup_seconds)
+            count = len(commands) * runs
+            queries = d.create_query_set(
+                label=f"{self.name}.prefixes", type="timestamp", count=2 * count
+            )
+            resolved = d.create_buffer(
+                label=f"{self.name}.prefixes",
+                size=16 * count,
+                usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
+            )
+            encoder = d.create_command_encoder(label=f"{self.name}.prefixes")
+            # Interleaved (run-major), so that the clock drifts alike for every prefix.
+            for run in range(runs):
+                for n in range(1, len(commands) + 1):
+                    at = 2 * (run * len(commands) + n - 1)
+                    writes = {
+                        "query_set": queries,
+                        "beginning_of_pass_write_index": at,
+                        "end_of_pass_write_index": at + 1,
+                    }
+                    encode_commands(encoder, commands[:n], f"{self.name}.prefix", writes)
+            encoder.resolve_query_set(queries, 0, 2 * count, resolved, 0)
+            d.queue.submit([encoder.finish()])
+            ticks = np.frombuffer(d.queue.read_buffer(resolved), dtype=np.uint64).astype(np.float64)
+            seconds = (ticks[1::2] - ticks[0::2]) * timestamp_period_ns(d) * 1e-9
+            seconds = seconds.reshape(runs, len(commands))
+            resolved.destroy()
+            labels = [c.label.rsplit(".", 1)[-1] for c in commands]
+            return [(lab, float(np.median(seconds[:, i]))) for i, lab in enumerate(labels)]
+        finally:
+            buffers.destroy()
+
     def _raise_index_error(self, plan: Plan, check: Any, flag: int) -> None:
         array = plan.tensors[check.arg]
         low = plan.scope.evaluate(check.low, "index range")

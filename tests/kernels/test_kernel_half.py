@@ -11,7 +11,7 @@ max|oracle|``) plus the float32 accumulation error the float32 tests bound by ``
 over H or I terms) or an unwidened bias would miss it by far. Random inputs are fresh per
 run (the ``rng`` fixture prints the seed).
 
-Decode token counts (1-3) run the decode variants (fused, gemv, split/stage) on every
+Decode token counts (1-3) run the decode variants (fused, routed, gemv, split/stage) on every
 config; 64 tokens run each prefill variant (grouped, tiled) once, on one of the two SwiGLU
 configs, since lavapipe compiles a tiled pipeline in several seconds (the float32 tests cover
 the fusion modes on every variant; the float16 forms differ only in their loads and stores).
@@ -57,9 +57,11 @@ MOE_CONFIGS = [
 ]
 DECODE_VARIANTS = {
     "quant_decode_fused",
+    "quant_decode_routed",
     "quant_gemv_routed",
     "quant_split_routed",
     "moe_decode_fused",
+    "moe_decode_routed",
     "moe_gemv",
     "moe_stage",
 }

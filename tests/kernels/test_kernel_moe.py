@@ -45,6 +45,7 @@ FOLDER = next(f for f in package_folders() if f.name == "moe")
 CASES = load_cases(FOLDER / "test.json")
 VARIANTS = [
     "moe_decode_fused",
+    "moe_decode_routed",
     "moe_zero_inter",
     "moe_grouped",
     "moe_gemv",
@@ -53,6 +54,7 @@ VARIANTS = [
     "moe_grouped_tiled16",
 ]
 FUSED = "moe_decode_fused"
+ROUTED = "moe_decode_routed"
 
 
 # -- references ---------------------------------------------------------------------------
@@ -228,6 +230,7 @@ def test_random_cases(device, rng):
     for vid in ("moe_grouped", "moe_gemv", "moe_stage"):
         assert per_variant[vid] >= 25, per_variant
     assert per_variant[FUSED] >= 20, per_variant
+    assert per_variant[ROUTED] >= 20, per_variant
 
 
 def test_random_chunked_cases(device, rng):

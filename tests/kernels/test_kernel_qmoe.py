@@ -55,6 +55,7 @@ FOLDER = next(f for f in package_folders() if f.name == "qmoe")
 CASES = load_cases(FOLDER / "test.json")
 VARIANTS = [
     "quant_decode_fused",
+    "quant_decode_routed",
     "quant_zero_inter",
     "quant_grouped_sgmat_routed",
     "quant_grouped_routed",
@@ -65,6 +66,7 @@ VARIANTS = [
 ]
 SGMAT = "quant_grouped_sgmat_routed"
 FUSED = "quant_decode_fused"
+ROUTED = "quant_decode_routed"
 
 
 # -- references ---------------------------------------------------------------------------
@@ -230,6 +232,7 @@ def test_random_cases(device, rng):
     for vid in ("quant_grouped_routed", "quant_gemv_routed", "quant_split_routed"):
         assert per_variant[vid] >= 30, per_variant
     assert per_variant[FUSED] >= 20, per_variant
+    assert per_variant[ROUTED] >= 20, per_variant
 
 
 def test_random_chunked_cases(device, rng):
