@@ -15,8 +15,8 @@ seeds are added (the next integers), with only the rows still needed when the ro
 What ran is counted, not assumed: :func:`selected_experts` takes each row's top k of the
 feeds as they are (the fused op's selection by its definition) and the record says how many of
 the layer's experts were selected. Every selected expert's output enters the compared layer
-output of its token with its routing weight, so a fused expert whose weights differ from the
-original's fails the layer.
+output of its token with its routing weight, so a fused expert whose weights move that output
+beyond the tolerance fails the layer (``docs/verification.md``).
 """
 
 from __future__ import annotations
