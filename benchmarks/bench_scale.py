@@ -227,11 +227,15 @@ def report(results: list[dict]) -> None:
         if ver and "median_s" in ver:
             layers = (r.get("verification") or {}).get("layers") or []
             per = [x.get("seconds", 0) for x in layers]
+            cpu = [x.get("cpu_seconds", float("nan")) for x in layers]
             per_layer = max(per) if per else float("nan")
+            # CPU seconds besides wall: on a shared machine a layer's wall time is mostly waiting
             print(f"{r['layers']} layers: fuse+verify peak {ver['median_peak_mib']:.0f} MiB "
                   f"(<= 2048: {'yes' if ver['median_peak_mib'] <= 2048 else 'NO'}), "
                   f"slowest layer's verification {per_layer:.1f} s (<= 10: "
-                  f"{'yes' if per_layer <= 10 else 'NO'})")  # fmt: skip
+                  f"{'yes' if per_layer <= 10 else 'NO'}; median "
+                  f"{statistics.median(per) if per else float('nan'):.1f} s, CPU a layer "
+                  f"{min(cpu, default=float('nan')):.1f}-{max(cpu, default=float('nan')):.1f} s)")  # fmt: skip
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -96,9 +96,14 @@ def print_layers(verification: dict[str, Any]) -> None:
         paths = ", ".join(
             f"{name} {p.get('status')}" for name, p in (record.get("paths") or {}).items()
         )
+        selected = "; ".join(
+            f"{e['selected']}/{e['experts']} experts selected" for e in record.get("experts") or []
+        )
+        cpu = f", {record['cpu_seconds']:.1f} s cpu" if "cpu_seconds" in record else ""
         print(
             f"  layer {record['layer']}: {'passed' if record['passed'] else 'FAILED'} "
-            f"(max rel {record['max_rel']:.2e}; {paths}; {record['seconds']:.1f} s)"
+            f"(max rel {record['max_rel']:.2e}; {paths}; {selected + '; ' if selected else ''}"
+            f"{record['seconds']:.1f} s{cpu})"
         )
         for message in record.get("messages") or []:
             print(f"    {message}")

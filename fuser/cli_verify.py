@@ -61,7 +61,12 @@ def layer_check(args, input_path, seeds, progress, verification):
     """The streaming path's check: per-layer verification of the written output (or None)."""
     if not args.verify:
         return None
+    from onnx_moe_fuse.io.processes import want_preloaded
     from onnx_moe_fuse.verify.layers import verify_layers
+
+    # the repack's workers start the run's one forkserver: have it import the verifier too,
+    # or each layer's two verification processes import it afresh (2.5x the time a layer)
+    want_preloaded(verify_layers.__module__)
     from onnx_moe_fuse.verify.quant_error import verify_tolerance
 
     def check(fused_path: Path, report: Any) -> None:

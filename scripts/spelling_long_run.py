@@ -80,7 +80,7 @@ def _others_supported(case: S.LayerCase, axis: str) -> bool:
 
 def _collect(strategy, check, count: int, run_seed: int | None) -> list[tuple[S.LayerCase, object]]:
     results: list[tuple[S.LayerCase, object]] = []
-    if count <= 0:  # hypothesis needs max_examples >= 1; --examples 0 measures the mutants only
+    if count <= 0:  # hypothesis takes no max_examples=0: nothing drawn
         return results
 
     @settings(settings.get_profile("spellings-long"), max_examples=count)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import multiprocessing as mp
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -39,6 +38,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.errors import OutputWriteError
 from onnx_moe_fuse.io.output_paths import one_line, size_text
+from onnx_moe_fuse.io.processes import worker_context
 from onnx_moe_fuse.rewrites.graph.weight_sink import StreamedArray, WeightSink, in_memory
 
 __all__ = [
@@ -224,9 +224,7 @@ class ScratchFileSink:
                         exc.strerror or one_line(exc), name, array.nbytes
                     ) from exc
             return
-        context = mp.get_context(
-            "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        )
+        context = worker_context(__name__)
         with ProcessPoolExecutor(
             max_workers=workers, mp_context=context, initializer=reuse_freed_memory
         ) as pool:

@@ -413,12 +413,17 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             self.report.add_near_miss(a.near_miss())
         routers: set[int] = set()
         diagnosis: dict[str, NearMiss] | None = None  # made once, for the first split combine
+        # a TopK computing the same as one a rule's refusal explains (Switch's ReduceMax beside
+        # its ArgMax, both TopK(1) on the copy) is that layer's router, already explained
+        explained_topks = [n for n in work.graph if id(n) in explained and n.op_type == "TopK"]
         for node in work.graph:
             if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
                 continue
             if node.op_type == "TopK" and any(same_topk(node, t) for t in explained_topks):
                 continue  # Switch's ReduceMax TopK beside its ArgMax's: that layer's near miss
             if node.outputs[0].name in fused_topks or _round_of_fused(node, fused_topks):
+                continue
+            if node.op_type == "TopK" and any(same_topk(node, e) for e in explained_topks):
                 continue
             reason, dense = unrecognised(node, refusals)
             part = None

@@ -146,6 +146,7 @@ def verify(
     reference_ops: Sequence[Any] = (),
     references: Mapping[int, Mapping[str, np.ndarray]] | None = None,
     fused_data_folder: str | os.PathLike[str] | None = None,
+    feeds: Mapping[int, Mapping[str, np.ndarray]] | None = None,
 ) -> VerificationReport:
     """Check that ``fused`` computes what ``original`` computes, on random inputs.
 
@@ -175,6 +176,9 @@ def verify(
             external data files, in this folder: ORT maps them from there itself, and only
             the wgpu path reads them into memory (per-layer verification: one copy, not
             three, of a layer's weights in the process).
+        feeds: the inputs by seed, instead of drawing them (per-layer verification draws them
+            so that every expert is selected, :func:`.coverage.covering_feeds`; the same
+            arrays went into ``references``). Every seed must have its feeds.
 
     Returns:
         A :class:`VerificationReport`; ``passed`` is False, with messages naming the path,
@@ -234,10 +238,11 @@ def verify(
             fail_path(results[path], f"the fused model lacks graph outputs {lost}", messages)
             del runners[path]
 
+    given = feeds
     for seed in report.seeds:
         if not runners:
             break
-        feeds = random_feeds(original_p, seed, dims)
+        feeds = dict(given[seed]) if given is not None else random_feeds(original_p, seed, dims)
         try:
             if references is not None:
                 reference = dict(references[seed])

@@ -29,7 +29,7 @@ from onnx_moe_fuse.io.external_data import map_external
 from onnx_moe_fuse.io.model_check import is_external
 from onnx_moe_fuse.verify.regions import copy_node
 
-__all__ = ["MAPPED_DOMAIN", "UnpackFourBit", "map_gathered_weights"]
+__all__ = ["MAPPED_DOMAIN", "UnpackFourBit", "map_gathered_weights", "unpack_four_bit"]
 
 #: The domain of :class:`UnpackFourBit` (a node of the reference run only, never written out).
 MAPPED_DOMAIN = "onnx_moe_fuse.verify"
@@ -43,13 +43,18 @@ class UnpackFourBit(OpRun):
     op_domain = MAPPED_DOMAIN
 
     def _run(self, packed: np.ndarray, data_type: int = 0, dims: list[int] | None = None):  # type: ignore[override]
-        # onnx packs element 2i in the low nibble of byte i and 2i + 1 in the high one, and
-        # ml_dtypes keeps a 4-bit code in the low nibble of its byte (as to_array makes them)
-        codes = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=np.uint8)
-        codes[..., 0::2] = packed & np.uint8(15)
-        codes[..., 1::2] = packed >> np.uint8(4)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(int(data_type))
-        return (codes.view(dtype).reshape(*packed.shape[:-1], *(dims or [])),)
+        return (unpack_four_bit(packed, data_type, dims),)
+
+
+def unpack_four_bit(packed: np.ndarray, data_type: int, dims: list[int] | None) -> np.ndarray:
+    """Packed 4-bit bytes ``[..., n / 2]`` to the codes ``[..., *dims]`` (``data_type``'s)."""
+    # onnx packs element 2i in the low nibble of byte i and 2i + 1 in the high one, and
+    # ml_dtypes keeps a 4-bit code in the low nibble of its byte (as to_array makes them)
+    codes = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=np.uint8)
+    np.bitwise_and(packed, np.uint8(15), out=codes[..., 0::2])
+    np.right_shift(packed, np.uint8(4), out=codes[..., 1::2])
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(int(data_type))
+    return codes.view(dtype).reshape(*packed.shape[:-1], *(dims or []))
 
 
 def _gathered_only(graph: onnx.GraphProto, name: str) -> list[onnx.NodeProto] | None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
-from onnx.reference.ops.op_dequantize_linear import DequantizeLinear_25
+from onnx.reference.ops.op_dequantize_linear import DequantizeLinear_25, _CommonDequantizeLinear
 
-__all__ = ["DequantizeLinear"]
+__all__ = ["DequantizeLinear", "dequantize"]
 
 #: Integer code types (ml_dtypes' int4/uint4 have numpy kind "V": named here).
 _INTEGER = frozenset({"int4", "uint4", "int8", "uint8", "int16", "uint16", "int32", "uint32"})
@@ -47,37 +47,37 @@ def _as_float32(x: np.ndarray) -> np.ndarray:
     return table[b]
 
 
+def dequantize(x, x_scale, x_zero_point=None, axis=1, block_size=0, output_dtype=None):
+    """ONNX ``DequantizeLinear`` of ``x``: blocked integer codes without replicated scales.
+
+    Anything else (per-tensor or per-axis scales, partial blocks, float8 codes) is onnx's own
+    implementation (its body reads nothing of the node: it is called as a function).
+    """
+    fast = bool(block_size) and np.dtype(x.dtype).name in _INTEGER and x.ndim == x_scale.ndim
+    if fast:
+        axis = axis % x.ndim
+        k, b = x.shape[axis], int(block_size)
+        fast = k % b == 0 and x_scale.shape[axis] == k // b
+    if not fast:
+        (y,) = _CommonDequantizeLinear._run(
+            None, x, x_scale, x_zero_point, axis=axis, block_size=block_size,
+            output_dtype=output_dtype,
+        )  # fmt: skip
+        return y
+    split = (*x.shape[:axis], k // b, b, *x.shape[axis + 1 :])
+    per_block = (*x_scale.shape[: axis + 1], 1, *x_scale.shape[axis + 1 :])
+    y = _as_float32(x).reshape(split)
+    if x_zero_point is not None:
+        y -= x_zero_point.astype(np.float32).reshape(per_block)
+    y *= x_scale.astype(np.float32).reshape(per_block)
+    dtype = tensor_dtype_to_np_dtype(output_dtype) if output_dtype else x_scale.dtype
+    return y.reshape(x.shape).astype(dtype, copy=False)
+
+
 class DequantizeLinear(DequantizeLinear_25):
     """ONNX ``DequantizeLinear``; blocked integer codes computed without replicated scales."""
 
     op_domain = ""
 
     def _run(self, x, x_scale, x_zero_point=None, axis=1, block_size=0, output_dtype=None):  # type: ignore[override]
-        if not block_size or np.dtype(x.dtype).name not in _INTEGER or x.ndim != x_scale.ndim:
-            return super()._run(
-                x,
-                x_scale,
-                x_zero_point,
-                axis=axis,
-                block_size=block_size,
-                output_dtype=output_dtype,
-            )
-        axis = axis % x.ndim
-        k, b = x.shape[axis], int(block_size)
-        if k % b or x_scale.shape[axis] != k // b:
-            return super()._run(
-                x,
-                x_scale,
-                x_zero_point,
-                axis=axis,
-                block_size=block_size,
-                output_dtype=output_dtype,
-            )
-        split = (*x.shape[:axis], k // b, b, *x.shape[axis + 1 :])
-        per_block = (*x_scale.shape[: axis + 1], 1, *x_scale.shape[axis + 1 :])
-        y = _as_float32(x).reshape(split)
-        if x_zero_point is not None:
-            y -= x_zero_point.astype(np.float32).reshape(per_block)
-        y *= x_scale.astype(np.float32).reshape(per_block)
-        dtype = tensor_dtype_to_np_dtype(output_dtype) if output_dtype else x_scale.dtype
-        return (y.reshape(x.shape).astype(dtype, copy=False),)
+        return (dequantize(x, x_scale, x_zero_point, axis, block_size, output_dtype),)

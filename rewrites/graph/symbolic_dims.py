@@ -166,8 +166,10 @@ def _derived_dims(node: ir.Node, value: ir.Value, depth: int, memo: dict) -> lis
         return split_dims(node, value, first)
     if op == "Expand":
         shape = const_ints(ins[1]) if len(ins) > 1 else None
-        if shape is None and memo.get(_FILLS) and _is_fill(ins[0]):  # torch's zeros_like
-            return _filled_dims(ins[1], depth, memo)
+        if shape is None and memo.get(_FILLS) and len(ins) > 1:
+            if _is_fill(ins[0]):  # torch's zeros_like
+                return _filled_dims(ins[1], depth, memo)
+            return _expanded_dims(first, ins[1], value, depth, memo)
         return None if shape is None else broadcast_dims(first, [Dim.of(s) for s in shape], value)
     if op == "Transpose":
         perm = node.attributes.get("perm")
@@ -287,12 +289,15 @@ _FILLS = "follow fills"
 
 
 def fill_dims(value: ir.Value | None) -> list[Dim] | None:
-    """:func:`value_dims`, also through ``Expand(c, s)`` of a one-element ``c`` to a computed ``s``.
+    """:func:`value_dims`, also through ``Expand(x, s)`` to a shape ``s`` computed at run time.
 
-    torch's ``zeros_like(v)`` exports as ``Expand(0, Shape(v))``: its dims are ``v``'s. Only the
-    questions that need it ask (a combine's weights against its outputs): evaluating every
-    fill's computed target (attention masks, every layer) in every question walks far up a
-    whole model, and costs the fuser its time.
+    torch's ``zeros_like(v)`` exports as ``Expand(0, Shape(v))``: its dims are ``v``'s. An
+    ``Expand`` of data to a computed ``s`` (DeepSeek-V2's group mask ``[T, G, 1]`` expanded to
+    ``[T, G, E/G]`` by ``Concat(Shape(x)[0] * Shape(x)[1], G, E/G)``) has the broadcast of its
+    input's dims and ``s``'s. Only the questions that need it ask (a combine's weights against
+    its outputs, a router Expand whose rows the plain dims cannot equate): evaluating every
+    computed target (attention masks, every layer) in every question walks far up a whole
+    model, and costs the fuser its time.
     """
     return value_dims(value, 0, {_FILLS: True})
 
@@ -314,6 +319,16 @@ def _filled_dims(target: ir.Value | None, depth: int, memo: dict) -> list[Dim] |
         return None
     out = list(computed.dims)
     return None if any(d.coef < 0 for d in out) else out
+
+
+def _expanded_dims(
+    first: list[Dim], target: ir.Value, value: ir.Value, depth: int, memo: dict
+) -> list[Dim] | None:
+    """``Expand(x, s)`` to a computed ``s``: the broadcast of ``x``'s dims and ``s``'s elements."""
+    computed = shape_value(target, depth, memo)
+    if computed is None or computed.scalar or any(d.coef < 0 for d in computed.dims):
+        return None
+    return broadcast_dims(first, list(computed.dims), value)
 
 
 def _constant_of_shape_dims(node: ir.Node, memo: dict) -> list[Dim] | None:

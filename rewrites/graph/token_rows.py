@@ -36,7 +36,7 @@ from onnx_moe_fuse.rewrites.graph.facts import (
     value_label,
 )
 from onnx_moe_fuse.rewrites.graph.refusals import Refusal
-from onnx_moe_fuse.rewrites.graph.symbolic_dims import value_dims
+from onnx_moe_fuse.rewrites.graph.symbolic_dims import fill_dims, value_dims
 
 __all__ = ["ELEMENTWISE", "prove_token_rows", "row_origins", "row_source"]
 
@@ -365,26 +365,45 @@ class _Walk:
         if node.op_type in ("Expand", "Tile") and array is not None and _uniform(array):
             return  # one value everywhere (torch's zeros_like / full_like)
         dims_in, dims_out = value_dims(data), value_dims(out)
+        lead_in = _rows_kept(node.op_type, dims_in, dims_out, lead)
+        if lead_in is None:
+            # the plain dims may not equate row counts that an Expand to a computed target
+            # fixes (DeepSeek-V2's [T, G, 1] group mask expanded to Concat(Shape(x)[0] *
+            # Shape(x)[1], G, E/G)): ask the question that follows them, on this path only
+            dims_in, dims_out = fill_dims(data), fill_dims(out)
+            lead_in = _rows_kept(node.op_type, dims_in, dims_out, lead)
         if dims_in is None or dims_out is None:
             raise self.fail(
                 f"cannot prove that {node.op_type} '{label(node)}' keeps the token rows "
                 "(unknown shapes)",
                 node,
             )
-        if dims_in[:lead] == dims_out[:lead] and len(dims_out) >= lead:
-            self.value(data, lead)
-            return
-        # the token axes merged or split, in order: the rows keep their order
-        for lead_in in range(1, len(dims_in) + 1):
-            if node.op_type != "Expand" and product(dims_in[:lead_in]) == product(dims_out[:lead]):
-                if _same_rest(dims_in[lead_in:], dims_out[lead:]) and lead_in <= len(dims_in):
-                    self.value(data, lead_in)
-                    return
-        raise self.fail(
-            f"{node.op_type} '{label(node)}' regroups the token rows (from "
-            f"{_text(dims_in)} to {_text(dims_out)})",
-            node,
-        )
+        if lead_in is None:
+            raise self.fail(
+                f"{node.op_type} '{label(node)}' regroups the token rows (from "
+                f"{_text(dims_in)} to {_text(dims_out)})",
+                node,
+            )
+        self.value(data, lead_in)
+
+
+def _rows_kept(op: str, dims_in: list[Dim] | None, dims_out: list[Dim] | None, lead: int):
+    """The token axes of the input of a reshape-like ``op`` whose output has ``lead`` of them.
+
+    None unless the rows provably keep their order: the same leading dims, or (not for Expand)
+    the token axes merged or split in order with the rest of the elements kept.
+    """
+    if dims_in is None or dims_out is None:
+        return None
+    if dims_in[:lead] == dims_out[:lead] and len(dims_out) >= lead:
+        return lead
+    if op == "Expand":
+        return None
+    for lead_in in range(1, len(dims_in) + 1):
+        if product(dims_in[:lead_in]) == product(dims_out[:lead]):
+            if _same_rest(dims_in[lead_in:], dims_out[lead:]):
+                return lead_in
+    return None
 
 
 def _same_rest(a: list[Dim], b: list[Dim]) -> bool:

@@ -403,7 +403,7 @@ def expert(
             raise Refusal(
                 f"{role}: bias Gather '{label(bg)}' does not select along the expert axis", bg
             )
-        if b.get(f"{tag}_bias_indices") is not topk_idx:
+        if not same_indices(b.get(f"{tag}_bias_indices"), topk_idx):  # as the weights' are
             raise Refusal(f"{role}: the bias is selected with other indices than the weights", bg)
         bias = expert_bias(role, b.get(f"{tag}_bias"), e, n, ew.dtype)
     return with_bias(ew, bias)

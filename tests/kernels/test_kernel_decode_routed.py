@@ -42,19 +42,43 @@ MOE = [
     (8, 64, 24, 3, "silu", 0, True, False, True, False, None),
     (8, 32, 16, 2, "swiglu", 1, False, True, False, False, 7.0),
 ]
+
+
+def for_lanes(configs: list[tuple], lanes: int) -> list[tuple]:
+    """The configs at this adapter's subgroup width (``lanes``; the H200: 32).
+
+    Sized at lavapipe's 8 lanes: the first's experts (more than a workgroup's invocations)
+    and the second's hidden size (several trips over a row's pieces) scale with the lanes,
+    as the routed workgroups do.
+    """
+    scale = max(1, lanes // 8)
+    (e, *first), (e2, h2, *second), *rest = configs
+    return [(e * scale, *first), (e2, h2 * scale, *second), *rest]
+
+
 #: tunables: group counts, rows, and workgroups small enough for several trips a row
 SETTINGS = [
     {},
     {"decodeRoutedGroups": 1, "decodeRoutedRows": 3},
-    {"decodeRoutedGroups": 2, "decodeRoutedRows": 1, "decodeRoutedWorkgroup": 16},
+    # workgroups of 2 and 1 subgroups (in lanes, resolved per adapter by ``for_adapter``):
+    # several trips over a row's pieces (16 and 8 invocations on lavapipe, 64 and 32 on the H200)
+    {"decodeRoutedGroups": 2, "decodeRoutedRows": 1, "decodeRoutedWorkgroup": ("lanes", 2)},
     {"decodeRoutedGroups": 8, "decodeRoutedRows": 5},
-    {"decodeRoutedGroups": 4, "decodeRoutedRows": 2, "decodeRoutedWorkgroup": 8},
+    {"decodeRoutedGroups": 4, "decodeRoutedRows": 2, "decodeRoutedWorkgroup": ("lanes", 1)},
     {"decodeInPlaceCodes": 0},  # codes shifted down, as decode_fused
 ]
 OPS = {
     "QMoE": ("quant_decode_routed", QMOE, qmoe_call, qmoe_oracle, run_ort_qmoe),
     "MoE": ("moe_decode_routed", MOE, moe_call, moe_oracle, run_ort_moe),
 }
+
+
+def for_adapter(tunables: dict, lanes: int) -> dict:
+    """``("lanes", n)`` -> n subgroups' invocations on this adapter (its measured width)."""
+    return {
+        name: value[1] * lanes if isinstance(value, tuple) else value
+        for name, value in tunables.items()
+    }
 
 
 def with_ties(rng: np.random.Generator, call: dict) -> dict:
@@ -68,8 +92,10 @@ def test_routed_decode_shapes(device, rng, op):
     vid, configs, make_call, oracle, run_ort = OPS[op]
     kernel = get_kernel(f"com.microsoft.{op}")
     runs, trips, several_experts = 0, set(), 0
-    for config in configs:
-        for n, tunables in enumerate(SETTINGS):
+    lanes = int(device.adapter_info.get("subgroupMaxSize", 32))
+    for config in for_lanes(configs, lanes):
+        for n, setting in enumerate(SETTINGS):
+            tunables = for_adapter(setting, lanes)
             tokens = int(rng.choice([1, 2, 5, 16]))
             call, attrs = make_call(rng, config, tokens, 2)
             if n % 2:
@@ -101,8 +127,7 @@ def test_routed_decode_plans_on_a_described_h200(rng, op):
     """At full Qwen3 sizes on an H200 description: the routed variant can run, two dispatches.
 
     Which decode variant wins is the measured priorities' business (docs/kernels-moe.md:
-    routed stays below the fused path until the H200 measures it faster); the choice must
-    be valid either way.
+    routed wins where the H200 measured it faster); the choice must be valid either way.
     """
     vid, _, _, _, _ = OPS[op]
     folder = next(f for f in package_folders() if f.name == op.lower())

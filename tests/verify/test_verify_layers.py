@@ -3,13 +3,17 @@
 Each fused layer of a stacked int4 model is cut with its original region and compared on
 fresh inputs: it passes on the fuser's output, fails naming the layer when one fused weight
 byte is changed, refuses before any work when the estimate exceeds the memory available, and
-the command line's --per-layer reaches it. The reference run's rewrite (experts gathered
-before DequantizeLinear) and its blocked DequantizeLinear are checked against onnx's own.
+the command line's --per-layer reaches it. The reference run's rewrites (experts gathered
+before DequantizeLinear; each picked expert dequantised and multiplied alone) and its blocked
+DequantizeLinear are checked against onnx's own.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -29,6 +33,7 @@ from onnx_moe_fuse.verify.mapped_weights import (
     map_gathered_weights,
 )
 from onnx_moe_fuse.verify.reference_dq import DequantizeLinear, _as_float32
+from onnx_moe_fuse.verify.reference_matmul import DequantizeMatMul, fuse_dequantize_matmul
 from onnx_moe_fuse.verify.regions import select_before_dequantize
 
 SMALL = {"hidden": 64, "inter": 32, "experts": 4}
@@ -55,6 +60,7 @@ def test_every_fused_layer_passes_against_its_region(fused_pair, device):
         assert record["paths"]["ort"]["status"] == "passed"
         assert record["paths"]["wgpu"]["status"] == "passed"
         assert 0 < record["max_rel"] < 1e-4 and record["seconds"] > 0
+        assert 0 < record["cpu_seconds"] and record["peak_rss_mib"] <= got["estimate_mib"]
 
 
 def test_a_changed_fused_weight_fails_that_layer_only(fused_pair, tmp_path, device):
@@ -235,3 +241,62 @@ def test_unpacking_picked_rows_gives_what_onnx_reads(qtype, rng):
     want = onnx.numpy_helper.to_array(whole).reshape(3, 2, 4, 6)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "qtype", [TensorProto.INT4, TensorProto.UINT4, TensorProto.INT8, TensorProto.UINT8]
+)
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_experts_multiplied_one_at_a_time_compute_what_onnx_computes(
+    qtype, zero_point, broadcast, rng, tmp_path
+):
+    model, feeds = _gather_dq_model(qtype, 16, zero_point, rng)
+    if broadcast:  # tokens shared by every picked expert: leading dims differ, computed whole
+        feeds["x"] = feeds["x"][:1, :1]
+        model.graph.input[1].CopyFrom(
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 1, 64])
+        )
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    _save_external(model, tmp_path / "m.onnx")
+    cut = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    select_before_dequantize(cut)
+    weights = map_gathered_weights(cut, tmp_path)
+    assert fuse_dequantize_matmul(cut) == 1
+    ops = [n.op_type for n in cut.graph.node]
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
+    four_bit = qtype in (TensorProto.INT4, TensorProto.UINT4)
+    assert ops.count("UnpackFourBit") == (four_bit and zero_point)  # the codes' taken in
+    got = ReferenceEvaluator(cut, new_ops=[DequantizeLinear, UnpackFourBit, DequantizeMatMul]).run(
+        None, {**feeds, **weights}
+    )[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_dequantized_weight_read_twice_is_not_taken_in(rng):
+    model, _ = _gather_dq_model(TensorProto.INT8, 16, False, rng)
+    select_before_dequantize(model)
+    model.graph.output.append(helper.make_tensor_value_info("sel", TensorProto.FLOAT, None))
+    assert fuse_dequantize_matmul(model) == 0
+
+
+def test_the_reference_process_runs_blas_on_one_thread():
+    code = (
+        "import ctypes, numpy\n"
+        "from onnx_moe_fuse.io.processes import single_threaded_blas\n"
+        "path = next((l.split()[-1] for l in open('/proc/self/maps') if 'openblas' in l.lower()),"
+        " None)\n"
+        "if path is None: print('no openblas'); raise SystemExit\n"
+        "assert single_threaded_blas()\n"
+        "lib = ctypes.CDLL(path)\n"
+        "get = next(getattr(lib, n) for n in ('scipy_openblas_get_num_threads64_',"
+        " 'openblas_get_num_threads64_', 'openblas_get_num_threads') if hasattr(lib, n))\n"
+        "print(get())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "2"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no openblas":
+        pytest.skip("numpy's BLAS here is not OpenBLAS")
+    assert done.stdout.strip() == "1"

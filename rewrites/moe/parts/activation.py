@@ -50,8 +50,12 @@ def _var(name: str, optional: bool = False) -> pattern.Var:
     return pattern.Var(name, can_match_none=optional)
 
 
-def _swiglu(op, gate_src, linear_src, root: str) -> Any:
-    """``gate * Sigmoid(alpha * gate) * (linear + beta)``; ``root`` is the last product's order."""
+def _swiglu(op, gate_src, linear_src, root: str, shift: bool = True) -> Any:
+    """``gate * Sigmoid(alpha * gate) * (linear + beta)``; ``root`` is the last product's order.
+
+    ``shift=False``: ``linear`` as it is, even where it is an ``Add`` (an up projection's
+    gathered bias, which the shifted spelling would read as beta).
+    """
     gate = pattern.OrValue(
         [op.Clip(gate_src, _var("gate_clip_min", True), _var("gate_clip_max", True)), gate_src],
         name="swiglu_gate",
@@ -74,14 +78,14 @@ def _swiglu(op, gate_src, linear_src, root: str) -> Any:
     glu = pattern.OrValue([op.Mul(gate, sig), op.Mul(sig, gate)])
     beta = _var("swiglu_beta")
     shifted = pattern.OrValue(
-        [op.Add(linear, beta), op.Add(beta, linear), linear],
+        [op.Add(linear, beta), op.Add(beta, linear), linear] if shift else [linear],
         tag_var="beta_form",
-        tag_values=["shifted", "shifted", "plain"],
+        tag_values=["shifted", "shifted", "plain"] if shift else ["plain"],
     )
     return op.Mul(shifted, glu) if root == "linear_first" else op.Mul(glu, shifted)
 
 
-def _cut_swiglu(op, root: str) -> Any:
+def _cut_swiglu(op, root: str, shift: bool = True) -> Any:
     """SwiGLU of one FC1 ``fc1_out`` cut into gate and linear operands (Slice or Split)."""
     h = _var("fc1_out")
     first, second = op.Split(h, _var("split_sizes", True), _outputs=2)
@@ -101,11 +105,12 @@ def _cut_swiglu(op, root: str) -> Any:
         operand("swiglu_gate_src", "gate_slice"),
         operand("swiglu_linear_src", "lin_slice"),
         root,
+        shift,
     )
 
 
-def _gated(op, root: str) -> Any:
-    return _swiglu(op, _var("fc1_gate_out"), _var("fc1_up_out"), root)
+def _gated(op, root: str, shift: bool = True) -> Any:
+    return _swiglu(op, _var("fc1_gate_out"), _var("fc1_up_out"), root, shift)
 
 
 def _erf_gelu(op, order: int) -> Any:
@@ -151,6 +156,36 @@ _PATTERNS: dict[str, tuple[tuple[str, PartPattern], ...]] = {
     ),
 }
 
+#: The SwiGLU families without the offset: where the shifted spelling's beta is no constant
+#: scalar, the ``Add`` it matched is the linear operand itself (an up projection plus its bias).
+_UNSHIFTED: dict[str, tuple[tuple[str, PartPattern], ...]] = {
+    "fused_gated": tuple(
+        (
+            "swiglu",
+            PartPattern(
+                f"activation/cut_swiglu_unshifted/{r}", lambda op, r=r: _cut_swiglu(op, r, False)
+            ),
+        )
+        for r in ("linear_first", "glu_first")
+    ),
+    "gated": tuple(
+        (
+            "swiglu",
+            PartPattern(f"activation/swiglu_unshifted/{r}", lambda op, r=r: _gated(op, r, False)),
+        )
+        for r in ("linear_first", "glu_first")
+    ),
+}
+
+
+def _variable_offset(bindings: dict) -> bool:
+    """A shifted SwiGLU match whose beta is not a constant scalar (a value of the layer)."""
+    if bindings.get("beta_form") != "shifted":
+        return False
+    beta = const_array(bindings.get("swiglu_beta"))
+    return beta is None or beta.size != 1
+
+
 _FC1_OUTPUTS = {
     "fused_gated": ("fc1_out",),
     "gated": ("fc1_gate_out", "fc1_up_out"),
@@ -172,6 +207,8 @@ def recognise_activation(
     node = act.producer()
     for family in families:
         found = first_match(_PATTERNS[family], node)
+        if found is not None and family in _UNSHIFTED and _variable_offset(found[1].bindings):
+            found = first_match(_UNSHIFTED[family], node) or found  # else beta's refusal
         if found is None:
             continue
         kind, match = found

@@ -79,6 +79,17 @@ g (float[B, S, 8] hidden, float[4, 8] router, float[4] bias, float[B, S, 8] othe
   other_shape = Shape(other)
   other_back = Reshape(flat, other_shape)
   other_resid = Add(hidden, other_back)
+  like_dense = ScatterElements <axis = 1> (zeros_like, top_i, top_v)
+  like_dense3 = Unsqueeze(like_dense, rest)
+  s_idx = Constant <value = int64 {1}> ()
+  seq = Gather <axis = 0> (shape, s_idx)
+  tokens = Mul(b, seq)
+  tokens1 = Unsqueeze(tokens, s0)
+  group_tail = Constant <value = int64[2] {4, 3}> ()
+  group_target = Concat <axis = 0> (tokens1, group_tail)
+  grouped = Expand(like_dense3, group_target)
+  one_row = ReduceMax(like_dense3, s0)
+  one_row_grouped = Expand(one_row, group_target)
   ln_scale = Constant <value = float[8] {1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0}> ()
   normed = LayerNormalization <axis = -1> (resid, ln_scale)
 }"""
@@ -150,6 +161,46 @@ def test_symbols_follow_the_computation(graph):
         Dim.of(8),
     ]
     assert value_dims(values["odd"]) == [rows, Dim.of(4)]
+
+
+FILL_NAMES = ["zeros_like", "like_dense", "grouped", "one_row_grouped"]
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 3), (3, 5)])
+def test_fill_dims_agree_with_onnx_runtime(graph, batch, seq):
+    # Expands to shapes computed at run time (a fill, and data: DeepSeek-V2's group mask)
+    proto, model = graph
+    values = _values(model)
+    dims = {name: fill_dims(values[name]) for name in FILL_NAMES}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(proto)
+    del probe.graph.output[:]
+    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in FILL_NAMES)
+    sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(batch * 10 + seq + 1)
+    feeds = {
+        "hidden": rng.standard_normal((batch, seq, 8), dtype=np.float32),
+        "router": rng.standard_normal((4, 8), dtype=np.float32),
+        "bias": rng.standard_normal(4, dtype=np.float32),
+        "other": rng.standard_normal((batch, seq, 8), dtype=np.float32),
+    }
+    got = dict(zip(FILL_NAMES, sess.run(FILL_NAMES, feeds), strict=True))
+    sizes = {"hidden[0]": batch, "hidden[1]": seq}
+    for name in FILL_NAMES:
+        assert dims[name] is not None, name
+        assert _concrete(dims[name], sizes) == list(got[name].shape), name
+
+
+def test_an_expand_to_a_computed_shape_is_followed_only_when_asked(graph):
+    _, model = graph
+    values = _values(model)
+    rows = Dim(1, ("hidden[0]", "hidden[1]"))
+    # the plain question does not evaluate computed Expand targets (their cost, model-wide)
+    assert value_dims(values["grouped"]) is None
+    assert fill_dims(values["grouped"]) == [rows, Dim.of(4), Dim.of(3)]
+    # one row broadcast to every token: the input keeps its single row
+    assert fill_dims(values["one_row"])[0] == Dim.of(1)
+    assert fill_dims(values["one_row_grouped"]) == [rows, Dim.of(4), Dim.of(3)]
 
 
 def test_what_cannot_be_proved_stays_unknown(graph):

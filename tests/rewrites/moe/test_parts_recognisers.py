@@ -219,6 +219,23 @@ def test_activation_family(activation: str, family: str, kind: str, operands: tu
     assert fact.bindings["act"] is fact.output
 
 
+def test_a_biased_up_projection_is_the_linear_operand_not_an_offset() -> None:
+    # up + its gathered bias: the shifted spelling would read the bias as beta (not a constant)
+    model = layer(bias="after_reshape")
+    fact = recognise_activation(named(model, "act"))
+    assert (fact.family, fact.kind) == ("gated", "swiglu")
+    assert fact.bindings["beta_form"] == "plain"
+    up = fact.bindings["fc1_up_out"]
+    assert up.name == "fc1_up_biased" and up.producer().op_type == "Add"
+
+
+def test_a_constant_offset_stays_beta() -> None:
+    model = layer(activation="swiglu_oss")
+    fact = recognise_activation(named(model, "act"))
+    assert fact.bindings["beta_form"] == "shifted"
+    assert fact.bindings["swiglu_beta"].const_value is not None
+
+
 def test_exact_gelu_is_recognised_for_the_proof_to_refuse() -> None:
     model = layer(activation="gelu_tanh", mutation="erf_gelu")
     assert recognise_activation(named(model, "act")).kind == "erf_gelu"

@@ -218,3 +218,77 @@ def test_top1_rounds_gathered_at_their_own_column_are_per_selected() -> None:
 def test_top1_rounds_gathered_at_each_others_column_are_refused() -> None:
     with pytest.raises(Refusal, match="not at the experts"):
         _prove_weights(_mixer("r1", "r0"), {"one": np.array([1], np.int64)})
+
+
+def _group_limited(group_rows: list) -> list:
+    """DeepSeek-V2's group-limited top-k as dynamo exports it at a dynamic token count.
+
+    The group mask ``[T, G]`` is a scatter into ``zeros_like``, unsqueezed to ``[T, G, 1]`` and
+    expanded to ``[T, G, E/G]`` by a target computed from ``Shape(x)[0] * Shape(x)[1]``; the
+    declared shapes do not relate the two row counts. ``group_rows`` makes the ``[*, G]`` group
+    scores the mask is built from.
+    """
+    return [
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W"], ["logits2"]),
+        helper.make_node("Softmax", ["logits2"], ["scores"], axis=-1),
+        helper.make_node("Reshape", ["scores", "grouped_shape"], ["grouped"]),
+        *group_rows,
+        helper.make_node("TopK", ["group_scores", "one"], ["_", "group_idx"]),
+        helper.make_node("Shape", ["group_scores"], ["group_shape"]),
+        helper.make_node("Expand", ["zero_f", "group_shape"], ["zeros_like"]),
+        helper.make_node("Shape", ["group_idx"], ["idx_shape"]),
+        helper.make_node("ConstantOfShape", ["idx_shape"], ["ones"], value=_ONE),
+        helper.make_node("ScatterElements", ["zeros_like", "group_idx", "ones"], ["gmask"], axis=1),
+        helper.make_node("Unsqueeze", ["gmask", "minus_one"], ["gmask3"]),
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "zero_i"], ["batch"], axis=0),
+        helper.make_node("Gather", ["x_shape", "one_i"], ["seq"], axis=0),
+        helper.make_node("Mul", ["batch", "seq"], ["rows"]),
+        helper.make_node("Unsqueeze", ["rows", "zero"], ["rows1"]),
+        helper.make_node("Concat", ["rows1", "group_tail"], ["mask_target"], axis=0),
+        helper.make_node("Expand", ["gmask3", "mask_target"], ["mask_e"], name="mask_expand"),
+        helper.make_node("Reshape", ["mask_e", "flat_e"], ["mask"]),
+        helper.make_node("Cast", ["mask"], ["keep"], to=TensorProto.BOOL),
+        helper.make_node("Not", ["keep"], ["drop"]),
+        helper.make_node("Where", ["drop", "zero_f", "scores"], ["masked"]),
+        helper.make_node("TopK", ["masked", "k"], ["vals", "idx"], name="sel"),
+        helper.make_node("Identity", ["vals"], ["w"]),
+    ]
+
+
+_ONE = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+GROUPS = 3
+_GROUP_INITS = {
+    "flat": np.array([-1, H], np.int64),
+    "grouped_shape": np.array([-1, GROUPS, E // GROUPS], np.int64),
+    "group_tail": np.array([GROUPS, E // GROUPS], np.int64),
+    "flat_e": np.array([-1, E], np.int64),
+    "one": np.array([1], np.int64),
+    "zero": np.array([0], np.int64),
+    "minus_one": np.array([-1], np.int64),
+    "zero_i": np.array(0, np.int64),
+    "one_i": np.array(1, np.int64),
+    "zero_f": np.array(0.0, np.float32),
+}
+
+
+def test_group_mask_expanded_to_a_computed_row_count_keeps_the_rows() -> None:
+    rows = [helper.make_node("ReduceMax", ["grouped", "minus_one"], ["group_scores"], keepdims=0)]
+    model = _model(_group_limited(rows), dict(_GROUP_INITS), rank=3)
+    v = _values(model)
+    prove_selected_weights(v["w"], _topk(model), v["x"], 1)
+
+
+def test_group_mask_of_one_row_for_every_token_is_refused_at_the_expand() -> None:
+    # the group scores of all tokens at once ([1, G]): every row gets the same mask
+    rows = [
+        helper.make_node("ReduceMax", ["grouped", "minus_one"], ["per_row"], keepdims=0),
+        helper.make_node("ReduceMax", ["per_row", "zero"], ["group_scores"], keepdims=1),
+    ]
+    model = _model(_group_limited(rows), dict(_GROUP_INITS), rank=3)
+    v = _values(model)
+    with pytest.raises(Refusal) as refused:
+        prove_selected_weights(v["w"], _topk(model), v["x"], 1)
+    assert refused.value.part == "routing"
+    assert "'mask_expand' regroups the token rows" in refused.value.reason, refused.value.reason

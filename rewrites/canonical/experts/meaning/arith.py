@@ -169,7 +169,7 @@ def routing_value(node: ir.Node, described: list[Meaning], ctx: Context) -> Mean
             axes = broadcast_axes(axes, m.axes)
     except Departure:
         return Meaning(described[0].axes, Routing())
-    if [[f.var for f in a] for a in axes] == ctx.names(("t",), ("j",)):
+    if ctx.per_slot([[f.var for f in a] for a in axes]):
         return Meaning(axes, Weights(out))
     return Meaning(axes, Routing())
 

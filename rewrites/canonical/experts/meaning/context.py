@@ -29,6 +29,13 @@ class Context:
     #: graph positions of the nodes (``id``), and the TopK's: a node before it cannot read it
     order: dict[int, int] = field(default_factory=dict)
     topk_at: int = -1
+    #: the router rows' token axes (``t``, or ``t.hi, t.lo`` of ``[B, S, H]`` rows)
+    token_axes: tuple = ()
+    #: the walk's meanings so far (``id`` of a value -> (value, meaning)), to read a shape's source
+    meanings: dict = field(default_factory=dict)
+    #: the index names of the TopK's own outputs: ``[t, j]``, or ``[t.hi, t.lo, j]`` where the
+    #: router scores ``[B, S, E]`` rows without flattening them (None: ``[t, j]``)
+    slots: tuple[tuple[str, ...], ...] | None = None
 
     def names(self, *axes: tuple[str, ...]) -> list[list[str]]:
         """The index names of a layout of ``t`` and ``j`` axes as the analysis writes it.
@@ -38,3 +45,9 @@ class Context:
         """
         unit = {"t": self.tokens == Dim.of(1), "j": self.k == 1}
         return [[v for v in axis if not unit.get(v, False)] for axis in axes]
+
+    def per_slot(self, names: list[list[str]]) -> bool:
+        """A layout of ``[T, k]`` routing values: ``[t, j]``, or the TopK's own (``[B, S, k]``)."""
+        if names == self.names(("t",), ("j",)):
+            return True
+        return self.slots is not None and names == [list(a) for a in self.slots]

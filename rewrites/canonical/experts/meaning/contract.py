@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.chosen_rows import ScoreWeights
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.interpret import TOKEN_LAYOUTS, Interpretation
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.shared import routing_nodes, shared_value
@@ -96,6 +97,9 @@ class LayerParts:
     # a [T, O] value of the tokens every expert's output added before the weighting
     # (:mod:`.shared`): the layer plus (sum_j w) * shared
     shared: ir.Value | None = None
+    # ``weights`` is ``S [.., E]`` over every expert: the per-slot weights are ``S[t, idx[t, j]]``
+    # (:mod:`.chosen_rows`), written as a GatherElements at the ids
+    weights_at_ids: bool = False
 
 
 def stack_shape(p: Param) -> tuple[int, ...] | None:
@@ -241,6 +245,8 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         raise Departure("the tokens are scaled by their weight, and weighted again")
     if shared is not None and (prescale is not None or base is not None):
         raise Departure("a value of the tokens added inside a combine of scaled or based rows")
+    if shared is not None and isinstance(weights, ScoreWeights):
+        raise Departure("a value of the tokens added inside a combine weighted by a score column")
     if shared is not None:  # its gate is written from a copy of the router (``shared_parts``)
         routing_nodes(head.weighted.weights.source, found.tokens)
         if len(value_dims(_expert_tokens(found)) or ()) != 2:
@@ -266,6 +272,7 @@ def layer_parts(found: Interpretation, order: dict[int, int]) -> LayerParts:
         prescale,
         base,
         shared,
+        isinstance(weights, ScoreWeights),
     )
 
 

@@ -89,7 +89,11 @@ def write_per_slot(graph: ir.Graph, found: Interpretation, parts: LayerParts) ->
     writer = GraphWriter(graph, f"{old_out.name or 'moe'}_meaning")
     idx = parts.topk.outputs[1]
     mapped: dict[int, ir.Value] = {}
-    tokens, weights = parts.tokens, _replayed(writer, parts.weights, parts.weight_post)
+    weights = parts.weights
+    if parts.weights_at_ids:  # S [.., E] read at each slot's expert: w[t, j] = S[t, idx[t, j]]
+        read = writer.node("GatherElements", [weights, idx], "weights_at_ids", axis=-1)
+        weights = read.outputs[0]
+    tokens, weights = parts.tokens, _replayed(writer, weights, parts.weight_post)
     if parts.prescale is not None:  # k = 1: the tokens times their weight, then the weight 1
         scale = _replayed(writer, parts.prescale.source, getattr(parts.prescale, "post", ()))
         column = writer.node("Reshape", [scale, writer.ints("scale_shape", [-1, 1])], "scale")

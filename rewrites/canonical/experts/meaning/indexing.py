@@ -55,6 +55,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     axis_size,
     filtered_expert,
     filtered_var,
+    fresh_repeat,
     is_repeat,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
@@ -70,6 +71,7 @@ from onnx_moe_fuse.rewrites.graph.facts import attr_int, attr_str
 from onnx_moe_fuse.rewrites.graph.symbolic_dims import shape_value
 
 __all__ = [
+    "accumulator",
     "coords_select",
     "dequantize",
     "equal",
@@ -161,6 +163,11 @@ def _rows_at(data: Meaning, index: Meaning, axis: int) -> Meaning:
     """``data`` gathered along ``axis`` at an index holding that axis' flat index."""
     term = index.term
     assert isinstance(term, RowIndex)
+    if 0 <= axis < len(data.axes) and not data.axes[axis] and not isinstance(data.term, ExpertSum):
+        # a unit axis (one token, at k = 1: Range(T*k) // k is [0]): every index Gather
+        # accepts (0 or -1) reads its one row, so the content repeats over the index's axes
+        rows = tuple(tuple(fresh_repeat(f.size) for f in a) for a in index.axes)
+        return Meaning(normalise((*data.axes[:axis], *rows, *data.axes[axis + 1 :])), data.term)
     if not 0 <= axis < len(data.axes) or not data.axes[axis]:
         raise Departure("a Gather along a unit axis")
     coefs = _flat_coefs(_repeats_as(data.axes[axis], index.term))
@@ -198,14 +205,26 @@ def _read_back(term):  # noqa: ANN001, ANN202 - any term
     return AccRows(term) if isinstance(term, ExpertSum) else term
 
 
-def _accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
-    """Zeros ``[T, O]`` as the empty sum of the experts' outputs (one per value)."""
+def accumulator(ctx: Context, value: ir.Value) -> Meaning | None:
+    """Zeros ``[T, O]`` (or ``[B, S, O]`` of split tokens) as the empty sum of the experts' outputs.
+
+    One per value, so a scatter into it and a gather from it read the same accumulator.
+    """
     if id(value) in ctx.zeros:
         return ctx.zeros[id(value)]
     dims = zeros_dims(value)
-    if not is_zeros(value) or dims is None or len(dims) != 2 or dims[0] != ctx.tokens:
+    if not is_zeros(value) or dims is None:
         return None
-    m = Meaning(((Factor("t", ctx.tokens),), (Factor("o", dims[1]),)), ExpertSum(()))
+    split = [a for a in ctx.token_axes if a]
+    if len(dims) == 3 and len(split) == 2 and [axis_size(a) for a in split] == dims[:2]:
+        # zeros_like of [B, S, H] tokens: the accumulator laid out as the tokens are
+        m = Meaning((*split, (Factor("o", dims[2]),)), ExpertSum(()))
+        ctx.zeros[id(value)] = m
+        return m
+    if len(dims) != 2 or dims[0] != ctx.tokens:
+        return None
+    # normalised: one static token is no index (as the token axes of every other meaning)
+    m = Meaning(normalise(((Factor("t", ctx.tokens),), (Factor("o", dims[1]),))), ExpertSum(()))
     ctx.zeros[id(value)] = m
     return m
 
@@ -236,8 +255,8 @@ def _constant_data(value: ir.Value, index: Meaning | None, ctx: Context) -> Mean
     ``zeros_like(x)``) are not taken for an expert stack.
     """
     if index is not None and isinstance(index.term, RowIndex | Coords):
-        return _accumulator(ctx, value) or expert_stack(value, ctx.experts)
-    return expert_stack(value, ctx.experts) or _accumulator(ctx, value)
+        return accumulator(ctx, value) or expert_stack(value, ctx.experts)
+    return expert_stack(value, ctx.experts) or accumulator(ctx, value)
 
 
 def gather(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: Context) -> Meaning:
@@ -328,14 +347,20 @@ def gather_nd(node: ir.Node, data: Meaning | None, index: Meaning | None, ctx: C
 
 
 def gather_elements(node: ir.Node, index: Meaning | None, ctx: Context) -> Meaning:
-    """``GatherElements(scores [T, E], ids, axis=-1)``: routing weights."""
+    """``GatherElements(scores [T, E], ids, axis=-1)``: routing weights.
+
+    Also ``[B, S, E]`` scores at ``[B, S, k]`` ids (a router of rank-3 rows): the ids' own
+    layout. What the weights are is proved by the routing's rules on the per-slot form.
+    """
     if index is None or not isinstance(index.term, Ids):
         raise Departure("a GatherElements at other than the expert indices")
     dims = value_dims(node.inputs[0])
     axis = attr_int(node, "axis", 0)
-    if dims is None or len(dims) != 2 or axis not in (1, -1) or dims[1] != Dim.of(ctx.experts):
+    rank = len(dims) if dims is not None else 0
+    if rank not in (2, 3) or axis not in (rank - 1, -1) or dims[-1] != Dim.of(ctx.experts):  # type: ignore[index]
         raise Departure("a GatherElements of the ids from other than [T, E] router values")
-    if [[f.var for f in a] for a in index.axes] != ctx.names(("t",), ("j",)):
+    names = [[f.var for f in a] for a in index.axes]
+    if len(index.axes) != rank or not ctx.per_slot(names):
         raise Departure("a GatherElements at ids laid out other than [t, j]")
     return Meaning(index.axes, Weights(node.outputs[0]))
 
@@ -455,7 +480,7 @@ def scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meaning:
     if unsorted is not None:
         return unsorted
     if data is None:
-        data = _accumulator(ctx, node.inputs[0])
+        data = accumulator(ctx, node.inputs[0])
     if data is None or not isinstance(data.term, ExpertSum):
         raise Departure(
             f"a {node.op_type} into other than zeros or the experts' accumulated sum"

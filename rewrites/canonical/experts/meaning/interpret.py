@@ -291,6 +291,9 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
         router=_router_values(topk),
         order=order,
         topk_at=order.get(id(topk), -1),
+        token_axes=token_axes,
+        meanings=result.meanings,
+        slots=tuple(tuple(f.var for f in a) for a in tj),
     )
     ranges = _Ranges(ctx)
     departed: dict[int, DepartureAt] = {}  # node -> the departure it stems from

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
-from onnx_moe_fuse.rewrites.canonical.experts.meaning.indexing import zeros_dims
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.indexing import accumulator, zeros_dims
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure, broadcast_axes
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     Axis,
+    BranchUpdate,
+    Chosen,
     Coords,
     Counts,
     ExpertSum,
@@ -156,16 +158,25 @@ def _expand_rows(rows: Meaning, shape: RowsShape) -> Meaning:
 
 
 def _element_tuples(mask: Meaning, ctx: Context) -> Meaning | None:
-    """NonZero of expert ``e``'s mask repeated along a last feature axis: its rows' elements."""
-    if not isinstance(mask.term, Mask) or mask.term.expert is None or len(mask.axes) < 2:
+    """NonZero of expert ``e``'s mask repeated along a last feature axis: its rows' elements.
+
+    Of the tokens that chose ``e`` (``Chosen(e)``) repeated so: the same rows ``@e`` (each is
+    one pair), each element's tuple the token's coordinates, then the feature.
+    """
+    term = mask.term
+    if not isinstance(term, Mask | Chosen) or term.expert is None or len(mask.axes) < 2:
         return None
     last = mask.axes[-1]
     if len(last) != 1 or not is_repeat(last[0].var):
         return None
-    pairs = _pair_vars(mask.axes[:-1], ctx)
+    if isinstance(term, Chosen):
+        names = [[f.var for f in a] for a in mask.axes[:-1]]
+        pairs = [n[0] for n in names] if names in ([["t"]], [["t.hi"], ["t.lo"]]) else None
+    else:
+        pairs = _pair_vars(mask.axes[:-1], ctx)
     if pairs is None:
         return None
-    e = mask.term.expert
+    e = term.expert
     rows = (Factor(filtered_var(e), Dim.sym(f"R{e}")), last[0])
     coords = Factor("c", Dim.of(len(pairs) + 1))
     return Meaning(((coords,), rows), Coords((*pairs, last[0].var)))
@@ -204,6 +215,8 @@ def _write_rows(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meani
     e = filtered_expert(where.axes[0][0].var)
     if e is None or attr_str(node, "reduction", "none") != "none":
         raise Departure("a ScatterND of an expert's rows element by element, not overwriting")
+    if rows is not None and isinstance(rows.term, BranchUpdate):
+        return _write_back(node, base, where, rows, pairs, ctx)
     if rows is None or not isinstance(rows.term, Proj) or rows.term.stage != 2:
         raise Departure("a ScatterND at an expert's rows' elements of other than its FC2 rows")
     if rows.term.expert != e:
@@ -229,6 +242,94 @@ def _write_rows(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> Meani
         raise Departure(f"a ScatterND writing expert {e}'s rows a second time")
     out_axes = (*axes[:-1], (Factor(rows.axes[0][1].var, axes[-1][0].size),))
     return Meaning(out_axes, PairRows((*done, (e, rows.term))))
+
+
+def _write_back(
+    node: ir.Node,
+    base: Meaning | None,
+    where: Meaning,
+    rows: Meaning,
+    pairs: list[str],
+    ctx: Context,
+) -> Meaning:
+    """``acc[mask_e] = acc[mask_e] + w * FC2_e`` written element by element: a loop branch.
+
+    The rows are the accumulator read at expert ``e``'s tokens plus its weighted rows; each
+    token chose ``e`` once, so writing them back at those tokens' elements adds the branch.
+    """
+    update = rows.term
+    assert isinstance(update, BranchUpdate)
+    e = filtered_expert(where.axes[0][0].var)
+    total = base.term if base is not None else None
+    if base is None:
+        total_m = accumulator(ctx, node.inputs[0])
+        base, total = total_m, total_m.term if total_m is not None else None
+    if base is None or not isinstance(total, ExpertSum) or update.total is not total:
+        raise Departure(f"a ScatterND of {update.text()} into other than that accumulator")
+    if update.weighted.expert.expert != e:
+        raise Departure(f"a ScatterND of another expert's update at expert {e}'s tokens")
+    if e in total.experts:
+        raise Departure(f"a ScatterND adding expert {e}'s rows a second time")
+    flat = [f.var for a in rows.axes for f in a]
+    if len(rows.axes) != 1 or flat[:1] != [filtered_var(e)] or len(flat) != 2:  # type: ignore[arg-type]
+        raise Departure(
+            f"a ScatterND at expert {e}'s element tuples of rows laid out {rows.layout()}"
+        )
+    if (
+        rows.axes[0][0].size != where.axes[0][0].size
+        or rows.axes[0][1].size != where.axes[0][1].size
+    ):
+        raise Departure(f"a ScatterND of expert {e}'s rows enumerated in another order")
+    if [",".join(f.var for f in a) for a in base.axes[:-1]] != pairs:
+        raise Departure(f"a ScatterND at ({', '.join(pairs)}) into a value laid out otherwise")
+    if axis_size(base.axes[-1]) != where.axes[0][1].size:
+        raise Departure("a ScatterND of rows narrower than the rows they overwrite")
+    return Meaning(base.axes, ExpertSum((*total.branches, (e, update.weighted))))
+
+
+def _whole_rows(node: ir.Node, rows: Meaning, ctx: Context) -> Meaning | None:
+    """``rows[0 : Shape(tuples)[d]]`` where that dim is the rows' own length: the rows.
+
+    TorchScript's index_put cuts the flattened values to the number of element tuples it
+    writes; the tuples of expert ``e``'s rows' elements are exactly as many (``R_e * O``).
+    """
+    if not isinstance(rows.term, BranchUpdate | Proj) or len(rows.axes) != 1:
+        return None
+    starts = small_const(node.inputs[1]) if len(node.inputs) > 1 else None
+    axes = small_const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
+    steps = small_const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+    if starts is None or starts.reshape(-1).tolist() != [0]:
+        return None
+    if (axes is not None and axes.reshape(-1).tolist() not in ([0], [-1])) or (
+        steps is not None and steps.reshape(-1).tolist() != [1]
+    ):
+        return None
+    end = node.inputs[2] if len(node.inputs) > 2 else None
+    dim = _shape_dim(end, ctx)
+    if dim is None or dim != axis_size(rows.axes[0]):
+        return None
+    return rows
+
+
+def _shape_dim(value: ir.Value | None, ctx: Context) -> Dim | None:
+    """The size ``Unsqueeze(Gather(Shape(v), d))`` holds, read from ``v``'s meaning."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type in ("Unsqueeze", "Reshape", "Squeeze"):
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if node is None or node.op_type != "Gather" or attr_int(node, "axis", 0) != 0:
+        return None
+    d = small_const(node.inputs[1])
+    shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if d is None or d.size != 1 or shape is None or shape.op_type != "Shape":
+        return None
+    if attr_int(shape, "start", 0) != 0 or "end" in shape.attributes:
+        return None
+    found = ctx.meanings.get(id(shape.inputs[0]))
+    if found is None:
+        return None
+    axes = found[1].axes
+    at = int(d.reshape(-1)[0])
+    return axis_size(axes[at]) if -len(axes) <= at < len(axes) else None
 
 
 def _complete(pairs: PairRows, ctx: Context) -> bool:
@@ -279,6 +380,8 @@ def pair_transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> lis
     elif op == "Expand" and first is not None and len(ins) > 1 and ins[1] is not None:
         if isinstance(ins[1].term, RowsShape):
             found = _expand_rows(first, ins[1].term)
+    elif op == "Slice" and first is not None:
+        found = _whole_rows(node, first, ctx)
     elif op == "ScatterND" and len(ins) >= 3:
         found = _write_rows(node, ins, ctx)
     elif op == "Mul":

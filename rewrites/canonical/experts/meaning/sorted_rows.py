@@ -108,7 +108,7 @@ def chosen(node: ir.Node, ins: list[Meaning | None], zeros: bool) -> Meaning | N
 def counts(node: ir.Node, m: Meaning, summed: list[tuple], out: list) -> Meaning | None:
     """A ReduceSum over the tokens (and slots) of the choices or masks: each expert's count."""
     names = sorted(f.var for a in summed for f in a)
-    if isinstance(m.term, Chosen) and names == ["t"]:
+    if isinstance(m.term, Chosen) and m.term.expert is None and names == ["t"]:
         return Meaning(normalise(out), Counts(None))
     if isinstance(m.term, Mask) and m.term.expert is None and names == ["j", "t"]:
         return Meaning(normalise(out), Counts(None))

@@ -381,12 +381,16 @@ class Counts(Term):
 
 @dataclass(frozen=True)
 class Chosen(Term):
-    """``[e in idx[t, :]]``: 1 where token t chose expert e."""
+    """``[e in idx[t, :]]``: 1 where token t chose expert e (``expert``: that one's column)."""
+
+    expert: int | None = None  # None: every expert, along an ``e`` axis
 
     progress = 1
 
     def text(self) -> str:
-        """The choice matrix."""
+        """The choice matrix, or one expert's column of it."""
+        if self.expert is not None:
+            return f"the 0/1 choices [{self.expert} in idx[t, :]] per token"
         return "the 0/1 choices [e in idx[t, :]]"
 
 

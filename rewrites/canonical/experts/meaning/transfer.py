@@ -3,7 +3,8 @@
 Layout ops go to :mod:`.layout`, arithmetic and projections to :mod:`.arith` (dense forms to
 :mod:`.dense`), gathers, masks and scatters to :mod:`.indexing`, sorted rows and expert counts to
 :mod:`.sorted_rows` (histogram counts, index facts and the sorted combines to :mod:`.id_tables`
-and :mod:`.sorted_combine`); index tuples, copies and counts picked by constants are here. A node that
+and :mod:`.sorted_combine`), the tokens that chose an expert and columns of router values over every
+expert to :mod:`.chosen_rows`; index tuples, copies and counts picked by constants are here. A node that
 cannot be described raises :class:`~.layout.Departure` with what it computes instead.
 """
 
@@ -13,6 +14,7 @@ import onnx_ir as ir
 
 from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     arith,
+    chosen_rows,
     dense,
     indexing,
     layout,
@@ -71,6 +73,16 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
     extra = sorted_combine.extra_transfer(node, ins, ctx)  # id tables, counts, sorted combines
     if extra is not None:
         return extra + [None] * (len(node.outputs) - len(extra))
+    chosen = chosen_rows.chosen_transfer(node, ins, ctx)  # tokens that chose e, E-wide scores
+    if chosen is not None:
+        return chosen + [None] * (len(node.outputs) - len(chosen))
+    if (
+        op in ("Gather", "GatherND")
+        and first is not None
+        and isinstance(first.term, chosen_rows.ScoreColumn)
+    ):
+        gather = indexing.gather if op == "Gather" else indexing.gather_nd
+        return [chosen_rows.read_at_rows(gather(node, first, ins[1], ctx))]
     described = [m for m in ins if m is not None]
     if op not in ("Equal", "GatherElements", "Gather", "GatherND", "ScatterND", "ScatterElements"):
         if described and all(isinstance(m.term, Weights | Routing) for m in described):
