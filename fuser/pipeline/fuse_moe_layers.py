@@ -388,6 +388,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         """Record the refused matches of layers that did not fuse, and unmatched routers."""
         seen: set[tuple[int, str]] = set()
         explained: set[int] = set()
+        explained_topks: list[ir.Node] = []  # the TopKs of the attempts, for their twins
         for a in tracer.attempts:
             root_out = a.root.outputs[0].name if a.root.outputs else None
             topk_out = a.topk.outputs[0].name if a.topk is not None else None
@@ -399,6 +400,7 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
             seen.add(key)
             if a.topk is not None:
                 explained.add(id(a.topk))
+                explained_topks.append(a.topk)
             departs = pointing_record(refusals, a.topk) if a.topk is not None else None
             if departs is not None and departs_before(departs, a.refusal):
                 # the rule failed at a part after the one where the analysis of meaning saw the
@@ -417,6 +419,8 @@ class FuseMoELayersPass(ir.passes.InPlacePass):
         for node in work.graph:
             if node.op_type not in ("TopK", "ArgMax") or id(node) in explained:
                 continue
+            if node.op_type == "TopK" and any(same_topk(node, t) for t in explained_topks):
+                continue  # Switch's ReduceMax TopK beside its ArgMax's: that layer's near miss
             if node.outputs[0].name in fused_topks or _round_of_fused(node, fused_topks):
                 continue
             if node.op_type == "TopK" and any(same_topk(node, e) for e in explained_topks):

@@ -362,10 +362,14 @@ def departs_before(departs: Refusal, refusal: Refusal) -> bool:
     Where the meaning departs at a part before the one the rule failed at (its failure follows),
     or after a tokens/FC1 refusal of the rule: the analysis read those rows and projections as
     the contract's, so the rule's failure there was its form, and the meaning's node is the
-    first that departs.
+    first that departs. Expert weights the analysis found not constant (part ``weights``) are
+    named whatever else the rule failed at (its own "expert weights not constant" stays): no
+    fused node holds them.
     """
     if refusal.part is None:
         return True
+    if departs.part == "weights":  # expert weights not constant: no part of the layer is the op's
+        return "expert weights not constant" not in refusal.reason  # unless the rule said so
     if departs.part not in _LAYER_ORDER or refusal.part not in _LAYER_ORDER:
         return False
     at, failed = _LAYER_ORDER.index(departs.part), _LAYER_ORDER.index(refusal.part)

@@ -68,6 +68,8 @@ EXPERTS = (
 )
 #: The flattened-rows layouts (T*k rows, GatherND of the weights by the flat ids).
 ROW_EXPERTS = frozenset({"rows_gathernd", "rows_tile", "rows_range", "rows_concat"})
+#: The per-slot layouts: ``[*, k, N]`` projections of the tokens broadcast to the k slots.
+PER_SLOT_EXPERTS = frozenset({"gather_expand", "gather_reshape", "transpose_weights", "einsum"})
 #: The per-slot layouts a bias of any rank is written for (``BIASES``).
 BIAS_EXPERTS = frozenset({"gather_expand", "gather_reshape", "transpose_weights"})
 ACTIVATIONS = (
@@ -140,8 +142,8 @@ MUTATIONS = (
     "weights_other_token",  # taken from the next token's row (rolled along the token axis)
     "negative_weight",  # can be negative (raw logits, or the weights minus 0.5)
     "capacity_drop",  # zeroed past an expert capacity of 1 token (Switch/GShard dropping)
-    "silu_off",  # the hand-written SiLU off by a constant: h / (1 + Exp(-1.01 h))
-    "scatter_other_token",  # the scatter combine adds each row into the next token
+    "silu_off",  # the hand-written SiLU off by a constant: h / (1 + Exp(-1.1 h))
+    "scatter_other_token",  # the scatter adds each row into the next row's token (slot k-1: t+1)
     "rows_other_token",  # the rows gathered by Range(T*k) % T: slot j of token t reads another
     "bias_other_ids",  # the biases gathered by (ids + 1) mod E, not by each slot's expert
 )
@@ -187,7 +189,8 @@ def needs_two_slots(mutation: str | None, routing: str) -> bool:
     Reversing the k slots of one is no change, and neither is taking another token's weight
     where the routing renormalises the k weights (one renormalised weight is 1, or the factor).
     """
-    if mutation in ("weights_other_experts", "rows_other_token"):  # k = 1: row r is token r
+    # k = 1: row r is token r, and a scatter only permutes the finished rows
+    if mutation in ("weights_other_experts", "rows_other_token", "scatter_other_token"):
         return True
     return mutation == "weights_other_token" and routing not in UNNORMALISED_ROUTINGS
 
@@ -204,7 +207,7 @@ MUTATION_NEEDS: dict[str, dict[str, frozenset]] = {
     "erf_gelu": {"activation": frozenset({"gelu_tanh"}), "weight_dtype": frozenset({"float32"})},
     "dropped_clamp": {"activation": frozenset({"swiglu_oss"})},
     "weights_other_experts": {"routing": frozenset(ROUTINGS) - {"argmax_top1"}},
-    # SiLU only: SwiGLU's gate / (1 + Exp(-1.01 gate)) is the fused swiglu with alpha 1.01 (fused
+    # SiLU only: SwiGLU's gate / (1 + Exp(-a gate)) is the fused swiglu with alpha a (1.01 fused
     # exactly, measured 1e-7); the fused silu has no alpha
     "silu_off": {"activation": frozenset({"silu_exp"})},
     "scatter_other_token": {"combine": SCATTERS},

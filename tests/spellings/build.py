@@ -294,11 +294,7 @@ class _Layer:
         )
         x = g.graph_input("x", TensorProto.FLOAT, [*dims, h])
         # Layers that work on [T, H] rows: flatten rank-3 tokens first, restore at the end.
-        flat = c.rank == 3 and (
-            c.experts not in ("gather_expand", "gather_reshape", "transpose_weights", "einsum")
-            or c.router == "gemm_transb"
-            or c.combine == "split_rows"  # the experts on flat rows, the mix split back
-        )
+        flat = c.flat_tokens
         tokens = g.node("Reshape", [x, g.i64(-1, h)], "tokens") if flat else x
         rank = 2 if flat else c.rank
         logits = self.router(tokens, rank)

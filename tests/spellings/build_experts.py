@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import build_meaning
-from .axes import ROW_EXPERTS, SCATTERS
+from .axes import PER_SLOT_EXPERTS, ROW_EXPERTS, SCATTERS
 
 if TYPE_CHECKING:
     from .build import _Layer
-
-PER_SLOT = ("gather_expand", "gather_reshape", "transpose_weights", "einsum")
 
 
 def experts_and_combine(layer: _Layer, tokens: str, rank: int, weights: str, idx: str) -> str:
@@ -30,7 +28,7 @@ def experts_and_combine(layer: _Layer, tokens: str, rank: int, weights: str, idx
     if layer.mutation == "fc2_other_indices":
         shifted = g.node("Add", [idx, g.i64(1)], "ids_shifted")
         idx2 = g.node("Mod", [shifted, g.i64(c.experts_count)], "fc2_ids")
-    if c.experts in PER_SLOT:
+    if c.experts in PER_SLOT_EXPERTS:
         return _per_slot(layer, tokens, rank, weights, idx, idx2, fc1, fc2_logical)
     if c.experts in ROW_EXPERTS:
         return _rows(layer, tokens, weights, idx, idx2, fc1, fc2_logical)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .axes import CONSTRUCTED_ROUTINGS, MUTATION_PART, SWIGLU
+from .axes import CONSTRUCTED_ROUTINGS, MUTATION_PART, PER_SLOT_EXPERTS, SWIGLU
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,19 @@ class LayerCase:
     def opset(self) -> int:
         """The default-domain opset: ``opset_version``, or 24 where the Swish op needs it."""
         return 24 if self.activation == "swish" else self.opset_version
+
+    @property
+    def flat_tokens(self) -> bool:
+        """True when rank-3 tokens are flattened to ``[T, H]`` rows before the router.
+
+        The per-slot layouts route ``[B, S, H]`` tokens as they are, unless the router is a
+        Gemm (2-D only) or the combine splits flat rows back (``split_rows``).
+        """
+        return self.rank == 3 and (
+            self.experts not in PER_SLOT_EXPERTS
+            or self.router == "gemm_transb"
+            or self.combine == "split_rows"
+        )
 
     @property
     def constructed(self) -> bool:

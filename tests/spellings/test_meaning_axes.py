@@ -18,7 +18,16 @@ from hypothesis import strategies as st
 from .build import build_case
 from .outcomes import relative_error, session, token_shape
 from .reference import reference
-from .strategies import MEANING_AXES, SUPPORTED, LayerCase, is_valid, layer_cases, unmutated
+from .strategies import (
+    MEANING_AXES,
+    ROW_EXPERTS,
+    SCATTERS,
+    SUPPORTED,
+    LayerCase,
+    is_valid,
+    layer_cases,
+    unmutated,
+)
 
 CI = settings.get_profile("spellings-ci")
 NEW_MUTATIONS = sorted(MEANING_AXES["mutation"])
@@ -86,5 +95,36 @@ def test_new_mutation_computes_something_else(mutation: str) -> None:
             if errors[-1] > 1e-5:
                 return
         raise AssertionError(f"{case.label()}: the mutant computes its base's numbers: {errors}")
+
+    check()
+
+
+@pytest.mark.parametrize("combine", sorted(SCATTERS))
+def test_scatter_other_token_is_no_permutation_of_the_layer(combine: str) -> None:
+    """``scatter_other_token`` changes what the layer computes, beyond moving its token rows.
+
+    Shifting whole tokens (or any scatter at k = 1) leaves the layer's rows whole, only moved:
+    one fused node then the scatter computes that, and the fuser rightly fuses it. The mutant
+    must differ from its base on the reference inputs (one of eight), and on such an input it has
+    a row that is no row of the base's output.
+    """
+    allowed = {**SUPPORTED, "combine": frozenset({combine}), "experts": ROW_EXPERTS}
+
+    @settings(CI, max_examples=12)
+    @given(layer_cases(allowed, "scatter_other_token"))
+    def check(case: LayerCase) -> None:
+        assert case.top_k >= 2, case.label()
+        base, mutant = (session(build_case(c).model) for c in (unmutated(case), case))
+        rng = np.random.default_rng(case.seed + 1)  # outcomes.check_equivalent's inputs
+        for _ in range(8):
+            x = rng.standard_normal(token_shape(case, rng)).astype(np.float32)
+            want, got = (s.run(None, {"x": x})[0].reshape(-1, case.hidden) for s in (base, mutant))
+            scale = float(np.abs(want).max())
+            if relative_error(got, want.astype(np.float64)) <= 1e-5:
+                continue  # one token: every row's next row is its own token's
+            gap = np.abs(got[:, None, :] - want[None, :, :]).max(axis=-1).min(axis=1)  # [T]
+            assert gap.max() > 1e-5 * scale, f"{case.label()}: the base's rows, moved"
+            return
+        raise AssertionError(f"{case.label()}: the mutant computes its base's numbers")
 
     check()

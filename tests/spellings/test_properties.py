@@ -123,6 +123,9 @@ def test_multi_block_8bit_is_refused_because_ort_computes_it_inexactly(construct
         assert result.model.SerializeToString() == source
         reasons = [m["reason"] for m in result.report.near_misses if m["part"] == "target"]
         assert any("8-bit" in r and "blocks" in r for r in reasons), result.report.near_misses
+        # the layer is named: no TopK of it (Switch's twin beside its ArgMax) reads unrecognised
+        every = [m["reason"] for m in result.report.near_misses]
+        assert not any(r.startswith("not recognised") for r in every), every
 
     refused()
 

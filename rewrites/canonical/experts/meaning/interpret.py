@@ -43,6 +43,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
     axis_size,
 )
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.transfer import transfer
+from onnx_moe_fuse.rewrites.canonical.experts.meaning.undescribed import decisive_operand
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.values import (
     is_const,
     small_const,
@@ -90,10 +91,16 @@ class DepartureAt:
     reason: str
     progress: int
     read: tuple[str, ...]
+    #: the part, where an operand the walk never reached decides it (:mod:`.undescribed`)
+    part: str | None = None
 
     @property
     def expected(self) -> str:
         """What the layer needed at this point."""
+        if self.part == "routing":  # the router read other rows than the experts
+            return "the experts projecting the token rows the router projects"
+        if self.part == "weights":
+            return "constant expert weights (initializers, or a DequantizeLinear of them)"
         return EXPECTED.get(self.progress, EXPECTED[0])
 
     def sentence(self) -> str:
@@ -126,9 +133,16 @@ class Interpretation:
         return found[1] if found is not None else None
 
     def furthest(self) -> DepartureAt | None:
-        """The departure furthest along the layer (the earliest among equals)."""
+        """The departure furthest along the layer (the earliest among equals).
+
+        A decisive one (its part named: the router reads other rows than the experts, the
+        weights are not constant) comes first: no later node can make that layer the op's.
+        """
         if not self.departures:
             return None
+        decisive = [d for d in self.departures if d.part is not None]
+        if decisive:
+            return decisive[0]
         best = max(d.progress for d in self.departures)
         return next(d for d in self.departures if d.progress == best)
 
@@ -300,8 +314,13 @@ def interpret_layer(topk: ir.Node, order: dict[int, int], experts: int) -> Inter
             )
             here = DepartureAt(node, str(why), progress, read)
             root = _root_departure(node, ins, departed)
+            decisive = decisive_operand(node, ins, rows) if root is None else None
+            if decisive is not None:  # an operand the walk never reached says why
+                here = DepartureAt(node, decisive.reason, progress, read, decisive.part)
             if root is not None:  # an input departed earlier: that node is where it began
-                here = DepartureAt(root.node, root.reason, max(progress, root.progress), root.read)
+                here = DepartureAt(
+                    root.node, root.reason, max(progress, root.progress), root.read, root.part
+                )
             departed[id(node)] = here
             result.departures.append(here)
             continue

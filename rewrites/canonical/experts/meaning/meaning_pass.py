@@ -182,6 +182,6 @@ def _refusal(departure: DepartureAt) -> Refusal:
     return Refusal(
         departure.sentence(),
         departure.node,
-        part=part_of(departure.progress),
+        part=departure.part or part_of(departure.progress),
         expected=departure.expected,
     )
