@@ -16,23 +16,16 @@ import pytest
 from onnx_moe_fuse import fuse
 
 from .build import build_case
-from .case import LayerCase
+from .case import SMALL_BASE
 from .outcomes import check_equivalent, fused_nodes
 
-BASE = LayerCase(
-    router="matmul",
-    routing="softmax_topk_div",
+# SMALL_BASE at k = 1 in spellings only the analysis of meaning fuses (squeezed rows, a SiLU
+# written out)
+BASE = replace(
+    SMALL_BASE,
     experts="top1_squeezed",
     activation="silu_exp",
-    combine="mul_reducesum",
-    weight_dtype="float32",
-    granularity="channel",
-    zero_point="absent",
-    rank=2,
-    shapes="symbolic",
-    hidden=16,
     inter=16,
-    experts_count=4,
     top_k=1,
     token_dims=(3,),
     seed=7,
