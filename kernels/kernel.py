@@ -200,8 +200,6 @@ class Kernel:
         """
         import time as clock
 
-        import wgpu
-
         d = self.device.device
         buffers, _ = self.recorder.allocate(self.device, plan, poison_outputs=False)
         try:
@@ -219,14 +217,7 @@ class Kernel:
                     d._poll_wait()
                     times.append(clock.perf_counter() - start)
                 return times, "wall"
-            queries = d.create_query_set(
-                label=f"{self.name}.timestamps", type="timestamp", count=2 * runs
-            )
-            resolved = d.create_buffer(
-                label=f"{self.name}.timestamps",
-                size=16 * runs,
-                usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
-            )
+            queries, resolved = _timestamp_queries(d, f"{self.name}.timestamps", 2 * runs)
             encoder = d.create_command_encoder(label=f"{self.name}.timed")
             for run in range(runs):
                 writes = {
@@ -254,7 +245,6 @@ class Kernel:
         barrier between them). None without the adapter's
         ``timestamp-query-inside-passes`` feature.
         """
-        import wgpu
         from wgpu.backends.wgpu_native.extras import write_timestamp
 
         if "timestamp-query-inside-passes" not in self.device.features:
@@ -267,14 +257,7 @@ class Kernel:
                 return []
             warm_up(d, commands, f"{self.name}.warmup", 1, warmup_seconds)
             marks = len(commands) + 1
-            queries = d.create_query_set(
-                label=f"{self.name}.stages", type="timestamp", count=marks * runs
-            )
-            resolved = d.create_buffer(
-                label=f"{self.name}.stages",
-                size=8 * marks * runs,
-                usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
-            )
+            queries, resolved = _timestamp_queries(d, f"{self.name}.stages", marks * runs)
             encoder = d.create_command_encoder(label=f"{self.name}.stages")
             for run in range(runs):
                 compute = encoder.begin_compute_pass(label=f"{self.name}.stages")
@@ -306,8 +289,6 @@ class Kernel:
         these do not. Later dispatches read what earlier ones wrote, so every prefix is a
         valid run. None without the adapter's ``timestamp-query`` feature.
         """
-        import wgpu
-
         if "timestamp-query" not in self.device.features:
             return None
         d = self.device.device
@@ -318,14 +299,7 @@ class Kernel:
                 return []
             warm_up(d, commands, f"{self.name}.warmup", 1, warmup_seconds)
             count = len(commands) * runs
-            queries = d.create_query_set(
-                label=f"{self.name}.prefixes", type="timestamp", count=2 * count
-            )
-            resolved = d.create_buffer(
-                label=f"{self.name}.prefixes",
-                size=16 * count,
-                usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
-            )
+            queries, resolved = _timestamp_queries(d, f"{self.name}.prefixes", 2 * count)
             encoder = d.create_command_encoder(label=f"{self.name}.prefixes")
             # Interleaved (run-major), so that the clock drifts alike for every prefix.
             for run in range(runs):
@@ -366,3 +340,16 @@ class Kernel:
     def render(self, shader: str, constants: dict[str, Any], decls: list[dict]) -> str:
         """Render a pass template: constants plus the generated binding declarations."""
         return self.templates.render(shader, constants, decls)
+
+
+def _timestamp_queries(d: Any, label: str, count: int) -> tuple[Any, Any]:
+    """A timestamp query set of ``count`` marks and the buffer it resolves into (8 bytes each)."""
+    import wgpu  # lazily, as the device: the manifests and plans need no adapter
+
+    queries = d.create_query_set(label=label, type="timestamp", count=count)
+    resolved = d.create_buffer(
+        label=label,
+        size=8 * count,
+        usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
+    )
+    return queries, resolved
