@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnx_moe_fuse.rewrites.canonical.experts.meaning import id_tables, indexing
+from onnx_moe_fuse.rewrites.canonical.experts.meaning import id_tables, indexing, scatters
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.context import Context
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.layout import Departure, broadcast_axes
 from onnx_moe_fuse.rewrites.canonical.experts.meaning.terms import (
@@ -231,12 +231,12 @@ def _scatter(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list | N
     if not into_base:
         if unit is None:
             return None
-        return [indexing.scatter(node, [data, index, updates], ctx)]
+        return [scatters.scatter(node, [data, index, updates], ctx)]
     dims = value_dims(base)
     if dims is None or len(dims) != 2 or dims[0] != ctx.tokens:
         raise Departure(f"a {node.op_type} of the weighted outputs into '{base.name}', not [T, O]")
     acc = Meaning(((Factor("t", ctx.tokens),), (Factor("o", dims[1]),)), ExpertSum(()))
-    summed = indexing.scatter(node, [acc, index, updates], ctx)
+    summed = scatters.scatter(node, [acc, index, updates], ctx)
     if not isinstance(summed.term, SlotSum):
         raise Departure(
             f"a {node.op_type} of one expert's rows into '{base.name}', a value other than zeros"

@@ -20,6 +20,7 @@ from onnx_moe_fuse.rewrites.canonical.experts.meaning import (
     layout,
     pair_rows,
     rounds,
+    scatters,
     shared,
     sorted_combine,
     sorted_rows,
@@ -139,7 +140,7 @@ def transfer(node: ir.Node, ins: list[Meaning | None], ctx: Context) -> list[Mea
         weights = dense.scattered_weights(node, ins, into_zeros) or sorted_rows.chosen(
             node, ins, into_zeros
         )
-        return [weights if weights is not None else indexing.scatter(node, ins, ctx)]
+        return [weights if weights is not None else scatters.scatter(node, ins, ctx)]
     if described and all(isinstance(m.term, Weights | Routing) for m in described):
         return [arith.routing_value(node, described, ctx)] + [None] * (len(node.outputs) - 1)
     what = ", ".join(m.term.text() for m in described) or "its inputs"
