@@ -1,8 +1,8 @@
-"""A model of N stacked int4 MoE layers, for memory measurements of whole models.
+"""A model of N stacked MoE layers (int4 or float32), for memory measurements of whole models.
 
 ``x_{i+1} = x_i + layer_i(x_i)``: each layer is the sample generator's Gather/Expand/MatMul
 decomposition behind blocked ``DequantizeLinear`` (int4, block 32, SwiGLU, softmax top-k
-renormalised), with its own weights (seeded by ``seed_key`` and the layer index), its names
+renormalised; or float32 weights, ``weights="f32"``), with its own weights (seeded by ``seed_key`` and the layer index), its names
 prefixed ``l<i>/``. ``benchmarks/bench_memory.py`` and ``tests/io/test_streaming.py`` build their
 models here: the fuser's peak memory on 1, 2, 4, ... layers shows whether it grows with the model.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import onnx
 
-from onnx_moe_fuse.samples.layers import LayerSpec, build_layer
+from onnx_moe_fuse.samples.layers import LayerSpec, Weights, build_layer
 
 __all__ = ["stacked_moe_model"]
 
 
-def _layer_spec(i: int, hidden: int, inter: int, experts: int, seed_key: str) -> LayerSpec:
+def _layer_spec(
+    i: int, hidden: int, inter: int, experts: int, seed_key: str, weights: Weights
+) -> LayerSpec:
     return LayerSpec(
         name=f"layer{i}",
         hidden=hidden,
@@ -26,22 +28,27 @@ def _layer_spec(i: int, hidden: int, inter: int, experts: int, seed_key: str) ->
         routing="softmax_topk_renorm",
         activation="swiglu",
         spelling="dec",
-        weights="int4b32",
+        weights=weights,
         seed_key=f"{seed_key}_{i}",
     )
 
 
 def stacked_moe_model(
-    layers: int, hidden: int, inter: int, experts: int, seed_key: str = "bench_memory"
+    layers: int,
+    hidden: int,
+    inter: int,
+    experts: int,
+    seed_key: str = "bench_memory",
+    weights: Weights = "int4b32",
 ) -> onnx.ModelProto:
-    """``layers`` int4 MoE layers in sequence, each added to its input (a residual Add)."""
+    """``layers`` MoE layers in sequence, each added to its input (a residual Add)."""
     if layers < 1:
         raise ValueError(f"layers must be at least 1, got {layers}")
     nodes, inits, value_info = [], [], []
     first = None
     current = "x"
     for i in range(layers):
-        layer = build_layer(_layer_spec(i, hidden, inter, experts, seed_key))
+        layer = build_layer(_layer_spec(i, hidden, inter, experts, seed_key, weights))
         first = first or layer
         g = layer.graph
         prefix = f"l{i}/"

@@ -169,14 +169,46 @@ def _output_major_zero_points(zp: np.ndarray, bits: int, block: int) -> np.ndarr
     return pack_qmoe_zero_points(np.ascontiguousarray(zp.transpose(0, 2, 1)), bits, bool(block))
 
 
-def float_arrays(plan: LayerPlan) -> FusedArrays:
-    """MoE's weights and biases from a plan of float weights (output-major)."""
+def _streamed_floats(parts: tuple[ExpertWeights, ...], cols: np.ndarray | None):
+    """MoE's weight input of float ``parts`` (joined, rows ``cols``) made expert by expert.
+
+    Float weights move as raw bytes of their width, as QMoE's scales do, so the stream is a
+    :class:`~.repack.RepackedScales` with one "block" per K value. None when a part's stored
+    tensor cannot be read expert by expert (then the whole layer is joined in memory).
+    """
+    pieces = []
+    for p in parts:
+        if p.float_source is None:
+            return None
+        src = source_of(p.float_source)
+        if src is None:
+            return None
+        pieces.append(Part(src, p.layout, p.shape[1], p.shape[2]))
+    dtype = np.dtype(parts[0].dtype.numpy())
+    if any(p.dtype != parts[0].dtype for p in parts):
+        return None
+    n = sum(p.n for p in pieces)
+    return RepackedScales(tuple(pieces), dtype, False, row_order(cols, n))
+
+
+def float_arrays(plan: LayerPlan, streamed: bool = False) -> FusedArrays:
+    """MoE's weights and biases from a plan of float weights (output-major).
+
+    ``streamed``: the weights as streamed arrays where the sources allow it (a weight sink
+    writes them expert by expert: peak memory one expert, not a layer); otherwise arrays, as
+    the quantisation at fusion time and its error meter need.
+    """
     cols = plan.fc1_columns
     bias1 = _concat_bias(plan.fc1)
     bias1 = None if bias1 is None else np.ascontiguousarray(bias1[:, cols])
-    w1 = np.concatenate([p.array for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
+    if streamed:
+        w1s = _streamed_floats(plan.fc1, cols)
+        w2s = _streamed_floats((plan.fc2,), None)
+        if w1s is not None and w2s is not None:
+            return FusedArrays(w1s, None, bias1, w2s, None, plan.fc2.bias)  # type: ignore[arg-type]
+    w1 = np.concatenate([p.floats for p in plan.fc1], axis=2)[:, :, cols]  # type: ignore[misc]
     w1 = np.ascontiguousarray(w1.transpose(0, 2, 1))
-    w2 = np.ascontiguousarray(plan.fc2.array.transpose(0, 2, 1))  # type: ignore[union-attr]
+    w2 = np.ascontiguousarray(plan.fc2.floats.transpose(0, 2, 1))  # type: ignore[union-attr]
     return FusedArrays(w1, None, bias1, w2, None, plan.fc2.bias)
 
 
@@ -194,7 +226,7 @@ def quantize_arrays(floats: FusedArrays, bits: int, block: int) -> FusedArrays:
 def fused_arrays(plan: LayerPlan) -> FusedArrays:
     """Build the fused node's weights, scales and biases from ``plan``."""
     if not plan.quantized:
-        return float_arrays(plan)
+        return float_arrays(plan, streamed=True)
     if plan.from_float:
         return quantize_arrays(float_arrays(plan), plan.bits, plan.block)
     cols = plan.fc1_columns

@@ -43,7 +43,9 @@ QUANT_TYPES = {
 class ExpertWeights:
     """One expert projection's weights in GroupedMatMul's K-major layout ``[E, K, N]``.
 
-    Float weights keep ``array``. Quantized ones keep their source tensors, never read by the
+    Float weights keep ``float_source``, the stored tensor (``layout`` as stored), never read by
+    the proofs; :attr:`floats` reads a whole layer and serves only the forms that cannot be
+    streamed (a float tensor that is not external data is held in ``array`` as read). Quantized ones keep their source tensors, never read by the
     proofs: ``codes_source`` (the integer codes as stored, ``layout`` ``"kn"`` ``[E, K, N]`` or
     ``"nk"`` ``[E, N, K]``, symmetric zero point ``offset``) and, for 3-D scales,
     ``scales_source`` (stored in the same layout; smaller scales, broadcast to ``[E, 1, N]``,
@@ -72,6 +74,15 @@ class ExpertWeights:
     bias: np.ndarray | None = None
     source_nodes: tuple[ir.Node, ...] = ()
     zero_points: np.ndarray | None = None
+    float_source: ir.TensorProtocol | None = None
+
+    @cached_property
+    def floats(self) -> np.ndarray | None:
+        """Float weights K-major ``[E, K, N]`` (an external source is read whole: fallback)."""
+        if self.array is not None or self.float_source is None:
+            return self.array
+        w = read_array(self.float_source)
+        return w.transpose(0, 2, 1) if self.layout == "nk" else w
 
     @cached_property
     def raw(self) -> np.ndarray | None:

@@ -64,6 +64,9 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
             "cannot be repacked into the fused layout at fusion time",
             w,
         )
+    external = const_tensor(w)
+    if isinstance(external, ir.ExternalTensor) and external.raw is None:
+        return _external_floats(role, w, external, layout)
     arr = const_array(w)
     if arr is not None:
         if arr.ndim != 3:
@@ -80,7 +83,15 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
             )
         if layout == "nk":
             arr = arr.transpose(0, 2, 1)
-        return ExpertWeights(role, w, tuple(arr.shape), dtype, array=arr)  # type: ignore[arg-type]
+        return ExpertWeights(
+            role,
+            w,
+            tuple(arr.shape),  # type: ignore[arg-type]
+            dtype,
+            array=arr,
+            layout=layout,
+            float_source=const_tensor(w),
+        )
     node = w.producer()
     if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
         source, chain = _layout_source(w)
@@ -99,6 +110,33 @@ def expert_weights(role: str, w: ir.Value | None, layout: str = "kn") -> ExpertW
             w,
         )
     return _dequantized(role, w, node, layout)
+
+
+def _external_floats(
+    role: str, w: ir.Value, tensor: ir.ExternalTensor, layout: str
+) -> ExpertWeights:
+    """Stacked expert weights held as external data: proved from the tensor's type and shape.
+
+    Their bytes are not read here (a layer's float weights can be gigabytes): the emission
+    moves them expert by expert (:mod:`.repack`). Integer external weights (codes without a
+    DequantizeLinear) are refused as the in-memory ones are.
+    """
+    shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) != 3:
+        raise Refusal(
+            f"{role} expert weights '{value_label(w)}' are not [E, {', '.join(layout.upper())}]",
+            w,
+        )
+    dtype = tensor.dtype
+    if dtype not in FLOAT_TYPES:
+        raise Refusal(
+            f"{role} expert weights '{value_label(w)}' have type {dtype.name}; MoE takes "
+            "float32/float16/bfloat16",
+            w,
+        )
+    e, a, b = shape
+    k_major = (e, a, b) if layout == "kn" else (e, b, a)
+    return ExpertWeights(role, w, k_major, dtype, layout=layout, float_source=tensor)
 
 
 #: Ops that only move or relabel the elements of a weight tensor.

@@ -294,11 +294,14 @@ def _peak_mib(argv: list[str]) -> float:
     return int(peak_kib) / 1024
 
 
-def test_peak_memory_does_not_grow_with_the_layers(tmp_path):
+@pytest.mark.parametrize("weights", ["int4b32", "f32"])
+def test_peak_memory_does_not_grow_with_the_layers(weights, tmp_path):
+    """int4 layers and float layers (MoE: the weights moved expert by expert, issue 19)."""
     data_mib = {}
     peaks = {}
     for n in (1, 4):
-        src = _save_external(stacked_moe_model(n, **MEMORY), tmp_path, f"m{n}.onnx")
+        model = stacked_moe_model(n, **MEMORY, weights=weights)
+        src = _save_external(model, tmp_path, f"m{n}.onnx")
         data_mib[n] = src.with_name(src.name + ".data").stat().st_size / 2**20
         cli = [sys.executable, "-m", "onnx_moe_fuse.cli", str(src), "-o", str(tmp_path / "o.onnx")]
         peaks[n] = _peak_mib(cli)
@@ -307,6 +310,29 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path):
     # weights, mapped files); streaming by almost nothing
     print(f"peak MiB {peaks}, data MiB {data_mib}")
     assert peaks[4] - peaks[1] < 0.5 * extra, (peaks, data_mib)
+
+
+def test_a_float_layer_is_moved_expert_by_expert(tmp_path):
+    """One float layer's peak memory does not grow with its experts (issue 19, Deliver 1).
+
+    16 and 64 experts of the same size: a layer joined in memory (the fused weights made
+    whole) grows the peak by about the extra weights or more; moved one expert at a time from
+    the source file to the output's, by a small fraction of them.
+    """
+    data_mib = {}
+    peaks = {}
+    for experts in (16, 64):
+        model = stacked_moe_model(1, hidden=512, inter=256, experts=experts, weights="f32")
+        src = _save_external(model, tmp_path, f"e{experts}.onnx")
+        data_mib[experts] = src.with_name(src.name + ".data").stat().st_size / 2**20
+        out = tmp_path / f"o{experts}.onnx"
+        peaks[experts] = _peak_mib(
+            [sys.executable, "-m", "onnx_moe_fuse.cli", str(src), "-o", str(out)]
+        )
+        assert out.exists()
+    extra = data_mib[64] - data_mib[16]
+    print(f"peak MiB {peaks}, data MiB {data_mib}")
+    assert peaks[64] - peaks[16] < 0.3 * extra, (peaks, data_mib)
 
 
 @pytest.mark.parametrize(
